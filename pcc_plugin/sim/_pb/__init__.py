@@ -1,0 +1,1 @@
+"""Protobuf classes for the simulated kubelet (generated)."""
