@@ -1,0 +1,3 @@
+from pcc_plugin.cli import main
+
+main()

@@ -1,0 +1,47 @@
+"""Log lines in klog's format, so operators read and grep them like the Go plugins' logs.
+
+    I1202 09:12:43.705500    6476 supervisor.py:123] message
+
+klog's verbosity maps onto logging levels: `--v=0` shows INFO and above,
+`--v=1` adds V1 (each registration and Allocate step), `--v>=2` adds DEBUG and
+grpclib's own messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+V1 = logging.INFO - 5
+logging.addLevelName(V1, "V1")
+
+_SEVERITY = {logging.WARNING: "W", logging.ERROR: "E", logging.CRITICAL: "F"}
+
+
+class KlogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        severity = _SEVERITY.get(record.levelno, "I")
+        stamp = time.strftime("%m%d %H:%M:%S", time.localtime(record.created))
+        micros = int((record.created % 1) * 1_000_000)
+        line = (
+            f"{severity}{stamp}.{micros:06d} {record.process:>7} "
+            f"{record.filename}:{record.lineno}] {record.getMessage()}"
+        )
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure(verbosity: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(KlogFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if verbosity == 0 else V1 if verbosity == 1 else logging.DEBUG)
+    # grpclib logs a cancelled ListAndWatch (kubelet went away) at INFO: noise
+    # below --v=2, where operators debug the wire.
+    logging.getLogger("grpclib").setLevel(logging.DEBUG if verbosity >= 2 else logging.CRITICAL)
+    # HTTP/2 frame and header tracing is for debugging h2 itself, not the plugin.
+    for name in ("h2", "hpack", "asyncio", "trio-asyncio"):
+        logging.getLogger(name).setLevel(logging.WARNING)

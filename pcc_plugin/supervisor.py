@@ -1,0 +1,264 @@
+"""The daemon's nursery tree. Every long-lived task starts here.
+
+    run(config)
+    └── asyncio loop for grpclib (bridge.asyncio_loop), one for the process
+        └── root nursery
+            ├── signals: the first SIGTERM/SIGINT cancels `work`; a second exits at once
+            └── work: serve_kubelet, one generation after another
+                ├── wait_for_directory (until kubelet has created the socket dir)
+                └── generation nursery; cancelling it is how the daemon restarts
+                    ├── watch_plugin_dir       kubelet.sock created, own socket or dir removed
+                    ├── bridge.serve           DevicePlugin on a socket with a fresh name
+                    ├── register_with_kubelet  only once serving; retries with backoff
+                    └── reregister_when_stream_ends
+
+A generation ends only by cancellation, through `Restart`, which records why.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import random
+import re
+import secrets
+import signal
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import attrs
+import trio
+
+from pcc_plugin import bridge
+from pcc_plugin._proto import v1beta1 as api
+from pcc_plugin.config import KUBELET_SOCKET, Config
+from pcc_plugin.devices import HEALTHY, DeviceFeed, Shares
+from pcc_plugin.klog import V1
+from pcc_plugin.watch import FatalError, is_socket, wait_for_directory, watch_plugin_dir
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+SOCKET_PREFIX = "pcc"
+# Kubelet dials back with a 10 s timeout inside Register; leave it room.
+REGISTER_TIMEOUT = 15.0
+
+Register = Callable[[Path, api.RegisterRequest, float], Awaitable[None]]
+
+
+@attrs.define
+class Backoff:
+    """Capped exponential backoff with jitter, so plugins do not retry in step."""
+
+    first: float = 0.02
+    cap: float = 5.0
+    rng: random.Random = attrs.Factory(random.Random)
+    attempt: int = 0
+
+    def next_delay(self) -> float:
+        ceiling = min(self.cap, self.first * 2.0**self.attempt)
+        self.attempt += 1
+        jitter: float = self.rng.uniform(0.5, 1.0)
+        return ceiling * jitter
+
+
+@attrs.define
+class Restart:
+    """Cancels one generation and remembers the first reason given."""
+
+    scope: trio.CancelScope
+    reason: str | None = None
+
+    def __call__(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.scope.cancel()
+
+
+@attrs.define
+class KubeletStream:
+    """Kubelet's ListAndWatch stream: the first one opened on a generation's socket.
+
+    Only kubelet learns the socket's name from Register, so later streams come
+    from tools (doctor, benchmarks) and their end means nothing.
+    """
+
+    ended: trio.Event = attrs.Factory(trio.Event)
+    claimed: bool = False
+
+    async def serve(self, feed: DeviceFeed, send: Callable[[bytes], Awaitable[None]]) -> None:
+        is_kubelet = not self.claimed
+        self.claimed = True
+        log.log(V1, "ListAndWatch stream opened%s", " (kubelet's)" if is_kubelet else "")
+        try:
+            await feed.stream(send)
+        finally:
+            if is_kubelet:
+                self.ended.set()
+
+
+class SocketNames:
+    """Fresh socket names, `pcc-<pid>-<token>-<n>.sock`.
+
+    Pods of a DaemonSet often share a PID (1) across a rolling update; the
+    random token keeps two instances from ever choosing the same name.
+    """
+
+    def __init__(self) -> None:
+        self._stem = f"{SOCKET_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._counter = itertools.count()
+
+    def __next__(self) -> str:
+        return f"{self._stem}-{next(self._counter)}.sock"
+
+    @staticmethod
+    def is_ours(name: str) -> bool:
+        return re.fullmatch(rf"{SOCKET_PREFIX}-\d+-[0-9a-f]+-\d+\.sock", name) is not None
+
+
+def accepts_connections(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            # A full backlog (EAGAIN) or anything unexpected: assume alive and keep it.
+            return True
+    return True
+
+
+def remove_stale_sockets(plugin_dir: Path, keep: str) -> None:
+    """Remove sockets of this plugin's naming that nothing serves any more."""
+    for entry in os.scandir(plugin_dir):
+        if entry.name == keep or not SocketNames.is_ours(entry.name):
+            continue
+        path = plugin_dir / entry.name
+        if not stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+            continue
+        if accepts_connections(path):
+            log.log(V1, "Leaving %s: another instance serves it", path)
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        log.info("Removed stale socket %s", path)
+
+
+async def register_with_kubelet(
+    plugin_dir: Path,
+    request: api.RegisterRequest,
+    register: Register = bridge.register,
+    backoff: Backoff | None = None,
+) -> None:
+    """Register until kubelet accepts, logging each distinct failure once."""
+    backoff = backoff or Backoff()
+    kubelet_socket = plugin_dir / KUBELET_SOCKET
+    reported: set[str] = set()
+    while True:
+        if not is_socket(kubelet_socket):
+            what = "is not a socket" if kubelet_socket.exists() else "does not exist"
+            log.info("Waiting for kubelet: %s %s yet", kubelet_socket, what)
+            # The watcher restarts this generation when kubelet creates it.
+            await trio.sleep_forever()
+        log.log(V1, "Registering %s at %s with endpoint %s",
+                request.resource_name, kubelet_socket, request.endpoint)  # fmt: skip
+        try:
+            await register(kubelet_socket, request, REGISTER_TIMEOUT)
+        except bridge.RegisterFailed as exc:
+            if str(exc) not in reported:
+                reported.add(str(exc))
+                log.error("Registration with kubelet failed, retrying: %s", exc)
+            await trio.sleep(backoff.next_delay())
+            continue
+        log.info("Registered device plugin with Kubelet: resource %s, endpoint %s",
+                 request.resource_name, request.endpoint)  # fmt: skip
+        return
+
+
+async def reregister_when_stream_ends(stream: KubeletStream, restart: Restart) -> None:
+    """Kubelet never redials: when its stream ends, registering again is our job."""
+    await stream.ended.wait()
+    delay = random.uniform(0.05, 0.25)
+    log.warning("kubelet's ListAndWatch stream ended; registering again in %d ms", delay * 1000)
+    await trio.sleep(delay)
+    restart("kubelet's ListAndWatch stream ended")
+
+
+async def serve_socket(
+    nursery: trio.Nursery, shares: Shares, stream: KubeletStream, feed: DeviceFeed, path: Path
+) -> None:
+    try:
+        await nursery.start(bridge.serve, shares, functools.partial(stream.serve, feed), path)
+    except PermissionError:
+        raise FatalError(
+            f"cannot create {path}: permission denied; run the plugin as root "
+            "with --device-plugin-path mounted read-write"
+        ) from None
+
+
+async def serve_generation(config: Config, shares: Shares, feed: DeviceFeed, endpoint: str) -> str:
+    """Serve on a fresh socket and register, until something cancels; return why."""
+    plugin_dir = Path(config.device_plugin_path)
+    request = api.RegisterRequest(
+        version=API_VERSION,
+        endpoint=endpoint,
+        resource_name=config.resource_name,
+        options=shares.options(),
+    )
+    stream = KubeletStream()
+    async with trio.open_nursery() as nursery:
+        restart = Restart(nursery.cancel_scope)
+        await nursery.start(watch_plugin_dir, plugin_dir, endpoint, restart)
+        try:
+            remove_stale_sockets(plugin_dir, keep=endpoint)
+            await serve_socket(nursery, shares, stream, feed, plugin_dir / endpoint)
+        except FileNotFoundError:
+            restart(f"{plugin_dir} disappeared")
+            return restart.reason or ""
+        nursery.start_soon(register_with_kubelet, plugin_dir, request)
+        nursery.start_soon(reregister_when_stream_ends, stream, restart)
+    return restart.reason or "cancelled"
+
+
+async def serve_kubelet(config: Config, shares: Shares, feed: DeviceFeed) -> None:
+    plugin_dir = Path(config.device_plugin_path)
+    names = SocketNames()
+    while True:
+        await wait_for_directory(plugin_dir)
+        reason = await serve_generation(config, shares, feed, next(names))
+        log.log(V1, "Restarting the device plugin server: %s", reason)
+
+
+async def run(config: Config) -> None:
+    shares = Shares(config)
+    feed = DeviceFeed(shares.listing(HEALTHY))
+    log.info(
+        "Starting pcc-device-plugin: %s x%d -> %s and %s",
+        config.resource_name, config.resource_count, config.pcc_device, config.pcc_socket_path,
+    )  # fmt: skip
+    async with bridge.asyncio_loop():
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as root:
+                work = trio.CancelScope()
+
+                async def serve_until_stopped() -> None:
+                    with work:
+                        await serve_kubelet(config, shares, feed)
+                    root.cancel_scope.cancel()
+
+                root.start_soon(serve_until_stopped)
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if work.cancel_called:
+                        log.warning("Received %s again, exiting now", name)
+                        os._exit(128 + signum)
+                    log.info("Received %s, shutting down", name)
+                    work.cancel()
+    log.info("Stopped")
