@@ -13,7 +13,6 @@ nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 ROOT = Path(__file__).parent
-PROTO = ROOT / "protos" / "deviceplugin_v1beta1.proto"
 GENERATED = ROOT / "pcc_plugin" / "_proto"
 SIM_GENERATED = ROOT / "pcc_plugin" / "sim" / "_pb"
 LOCK_PYTHON = "3.11"
@@ -44,34 +43,12 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy")
 
 
-def generate_protos(session: nox.Session, out: Path) -> None:
-    """Write both generated packages under `out`, always from the repository root.
-
-    The compiler formats its output with ruff using the configuration of the
-    working directory, so a fixed directory keeps the output byte-stable.
-    """
-    betterproto_out = out / "_proto"
-    sim_out = out / "_pb"
-    betterproto_out.mkdir(parents=True)
-    sim_out.mkdir(parents=True)
-    with session.chdir(ROOT):
-        session.run(
-            "python", "-m", "grpc_tools.protoc",
-            f"--proto_path={PROTO.parent.relative_to(ROOT)}",
-            f"--python_betterproto2_out=client_generation=async,server_generation=async:{betterproto_out}",
-            f"--python_out={sim_out}",
-            f"--pyi_out={sim_out}",
-            str(PROTO.relative_to(ROOT)),
-        )  # fmt: skip
-    (sim_out / "__init__.py").write_text('"""Protobuf classes for the simulated kubelet (generated)."""\n')
-
-
 @nox.session
 def protos(session: nox.Session) -> None:
     """Regenerate pcc_plugin/_proto and pcc_plugin/sim/_pb from protos/."""
     install_dev(session)
     with tempfile.TemporaryDirectory() as tmp:
-        generate_protos(session, Path(tmp))
+        session.run("python", "tools/generate_protos.py", tmp)
         for name, target in (("_proto", GENERATED), ("_pb", SIM_GENERATED)):
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(Path(tmp) / name, target)
@@ -81,7 +58,11 @@ def protos(session: nox.Session) -> None:
 def lock(session: nox.Session) -> None:
     """Recompile requirements/*.txt from pyproject.toml and requirements/dev.in."""
     common = ["uv", "pip", "compile", "--universal", "--python-version", LOCK_PYTHON, "--quiet"]
-    session.run(*common, "pyproject.toml", "-o", "requirements/runtime.txt", external=True)
+    # Hashes for the runtime lock: the Containerfile installs it with --require-hashes.
+    session.run(
+        *common, "--generate-hashes", "pyproject.toml", "-o", "requirements/runtime.txt",
+        external=True,
+    )  # fmt: skip
     session.run(
         *common, "pyproject.toml", "--extra", "sim", "requirements/dev.in",
         "-o", "requirements/dev.txt", external=True,

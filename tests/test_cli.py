@@ -1,0 +1,179 @@
+"""Flags, usage errors, detection: what an operator types and reads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pcc_plugin.cli import build_parser, detect_problem, go_style, parse_config
+from pcc_plugin.config import MAX_RESOURCE_COUNT, Config, resource_name_problem
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pcc_plugin", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_defaults() -> None:
+    assert parse_config([]) == Config(
+        pcc_device="/dev/sev-guest",
+        pcc_socket_path="/var/run/pcc",
+        resource_name="tke.cloud.tencent.com/pcc-device",
+        resource_count=16,
+        device_plugin_path="/var/lib/kubelet/device-plugins",
+        host_root="",
+        verbosity=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--resource-count=8", "--v=1"],
+        ["--resource-count", "8", "--v", "1"],
+        ["-resource-count", "8", "-v=1"],
+        ["-resource-count=8", "-v", "1"],
+    ],
+)
+def test_go_and_gnu_spellings_agree(argv: list[str]) -> None:
+    config = parse_config(argv)
+    assert (config.resource_count, config.verbosity) == (8, 1)
+
+
+def test_go_style_leaves_values_and_unknown_flags_alone() -> None:
+    assert go_style(["-resource-name", "-x", "-bogus", "--", "-v"]) == [
+        "--resource-name",
+        "-x",
+        "-bogus",
+        "--",
+        "-v",
+    ]
+
+
+def test_every_flag_is_documented() -> None:
+    help_text = build_parser().format_help()
+    for flag in (
+        "--pcc-device",
+        "--pcc-socket-path",
+        "--resource-name",
+        "--resource-count",
+        "--device-plugin-path",
+        "--host-root",
+        "--v",
+    ):
+        assert flag in help_text
+
+
+def test_largest_resource_count_is_accepted() -> None:
+    assert parse_config([f"--resource-count={MAX_RESOURCE_COUNT}"]).resource_count == 10_000
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--resource-count=0"], "--resource-count: must be at least 1, got 0"),
+        (["--resource-count=-3"], "--resource-count: must be at least 1, got -3"),
+        (["--resource-count=ten"], "--resource-count: must be a whole number, got 'ten'"),
+        (["--resource-count=1.5"], "--resource-count: must be a whole number, got '1.5'"),
+        (["--resource-count=10001"], "--resource-count must be from 1 to 10000, got 10001"),
+        (["--resource-name=pcc-device"], "needs the form domain/name"),
+        (["--resource-name=kubernetes.io/pcc"], "kubernetes.io domain is reserved"),
+        (["--resource-name=requests.example.com/pcc"], "must not start with 'requests.'"),
+        (["--resource-name=Example.com/pcc"], "is not a lowercase DNS subdomain"),
+        (["--resource-name=example.com/-pcc"], "must be 1-63 characters"),
+        (["--pcc-device=dev/sev-guest"], "--pcc-device must be an absolute path"),
+        (["--host-root=host"], "--host-root must be empty or an absolute path"),
+        (["--device-plugin-path=/" + "d" * 80], "--device-plugin-path is too long"),
+        (["--v=-1"], "--v: must be at least 0, got -1"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--pcc-dev=/dev/x"], "unrecognized arguments: --pcc-dev=/dev/x"),
+        (["--resource-count"], "--resource-count: expected one argument"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(argv: list[str], expected: str) -> None:
+    result = run_cli(*argv)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("pcc-device-plugin: ")
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_help_exits_0() -> None:
+    result = run_cli("-help")
+    assert result.returncode == 0
+    assert "--resource-count" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("tke.cloud.tencent.com/pcc-device", None),
+        ("example.com/a_b.c", None),
+        ("example.com/" + "x" * 63, None),
+        ("example.com/" + "x" * 64, "must be 1-63 characters"),
+        ("sub.kubernetes.io/x", "reserved"),
+        ("example.com/a/b", "more than one '/'"),
+        ("/x", "is not a lowercase DNS subdomain"),
+    ],
+)
+def test_resource_names_as_kubelet_checks_them(name: str, problem: str | None) -> None:
+    found = resource_name_problem(name)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert problem in found
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "sev-guest").symlink_to("/dev/null")
+    (tmp_path / "var" / "run" / "pcc").mkdir(parents=True)
+    return tmp_path
+
+
+def test_detect_accepts_a_character_device_and_a_directory(host: Path) -> None:
+    assert detect_problem(Config(host_root=str(host))) is None
+
+
+def test_detect_missing_device(host: Path) -> None:
+    (host / "dev" / "sev-guest").unlink()
+    assert detect_problem(Config(host_root=str(host))) == (
+        f"detect device {host}/dev/sev-guest failed: No such file or directory"
+    )
+
+
+def test_detect_device_that_is_not_a_character_device(host: Path) -> None:
+    (host / "dev" / "sev-guest").unlink()
+    (host / "dev" / "sev-guest").write_text("")
+    assert detect_problem(Config(host_root=str(host))) == (
+        f"detect device {host}/dev/sev-guest failed: not a character device"
+    )
+
+
+def test_detect_missing_socket_dir(host: Path) -> None:
+    os.rmdir(host / "var" / "run" / "pcc")
+    assert detect_problem(Config(host_root=str(host))) == (
+        f"detect socket path {host}/var/run/pcc failed: No such file or directory"
+    )
+
+
+def test_detect_socket_path_that_is_a_file(host: Path) -> None:
+    os.rmdir(host / "var" / "run" / "pcc")
+    (host / "var" / "run" / "pcc").write_text("")
+    assert detect_problem(Config(host_root=str(host))) == (
+        f"detect socket path {host}/var/run/pcc failed: not a directory"
+    )

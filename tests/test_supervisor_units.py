@@ -1,0 +1,182 @@
+"""Timing and decisions of the supervisor, on trio's MockClock and fake files."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from asyncinotify import Event, Mask
+
+from pcc_plugin import bridge
+from pcc_plugin._proto import v1beta1 as api
+from pcc_plugin.devices import DeviceFeed
+from pcc_plugin.supervisor import (
+    Backoff,
+    KubeletStream,
+    Restart,
+    SocketNames,
+    register_with_kubelet,
+    remove_stale_sockets,
+    reregister_when_stream_ends,
+)
+from pcc_plugin.watch import restart_reason
+
+REQUEST = api.RegisterRequest(
+    version="v1beta1", endpoint="pcc-1-abc-0.sock", resource_name="example.com/pcc"
+)
+
+
+def test_backoff_doubles_with_jitter_up_to_the_cap() -> None:
+    backoff = Backoff(first=0.1, cap=2.0, rng=random.Random(7))
+    delays = [backoff.next_delay() for _ in range(10)]
+    ceilings = [min(2.0, 0.1 * 2**n) for n in range(10)]
+    for delay, ceiling in zip(delays, ceilings, strict=True):
+        assert ceiling / 2 <= delay <= ceiling
+    assert len(set(delays)) == len(delays)
+
+
+def bind_socket(path: Path) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    return listener
+
+
+async def test_register_retries_with_backoff_and_logs_each_reason_once(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    answers = ["kubelet answered UNKNOWN: busy", "kubelet answered UNKNOWN: busy", "timeout", None]
+    calls: list[float] = []
+
+    async def fake_register(path: Path, request: api.RegisterRequest, deadline: float) -> None:
+        assert (path, request, deadline) == (tmp_path / "kubelet.sock", REQUEST, 15.0)
+        calls.append(trio.current_time())
+        answer = answers.pop(0)
+        if answer:
+            raise bridge.RegisterFailed(answer)
+
+    with bind_socket(tmp_path / "kubelet.sock"):
+        backoff = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
+        expected = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
+        await register_with_kubelet(tmp_path, REQUEST, fake_register, backoff)
+
+    gaps = [later - earlier for earlier, later in itertools.pairwise(calls)]
+    assert gaps == pytest.approx([expected.next_delay() for _ in range(3)])
+    failures = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert failures == [
+        "Registration with kubelet failed, retrying: kubelet answered UNKNOWN: busy",
+        "Registration with kubelet failed, retrying: timeout",
+    ]
+    assert any("Registered device plugin with Kubelet" in r.getMessage() for r in caplog.records)
+
+
+async def test_register_waits_without_polling_while_kubelet_sock_is_missing(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    async def must_not_be_called(*_: object) -> None:
+        raise AssertionError("registered without kubelet.sock")
+
+    with trio.move_on_after(3600) as waited:
+        await register_with_kubelet(tmp_path, REQUEST, must_not_be_called)
+    assert waited.cancelled_caught
+
+
+async def test_stream_end_restarts_after_a_short_jitter(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stream = KubeletStream()
+    with trio.CancelScope() as scope:
+        restart = Restart(scope)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reregister_when_stream_ends, stream, restart)
+            await trio.sleep(10)
+            assert restart.reason is None
+            ended_at = trio.current_time()
+            stream.ended.set()
+            await trio.sleep_forever()
+    assert restart.reason == "kubelet's ListAndWatch stream ended"
+    assert 0.05 <= trio.current_time() - ended_at <= 0.25
+
+
+async def test_only_the_first_stream_is_kubelets() -> None:
+    stream = KubeletStream()
+    feed = DeviceFeed(b"devices")
+    sent: list[bytes] = []
+
+    async def send(payload: bytes) -> None:
+        sent.append(payload)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.serve, feed, send)
+        nursery.start_soon(stream.serve, feed, send)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sent == [b"devices", b"devices"]
+        feed.publish(b"changed")
+        await trio.testing.wait_all_tasks_blocked()
+        assert sent[2:] == [b"changed", b"changed"]
+        assert not stream.ended.is_set()
+        nursery.cancel_scope.cancel()
+    assert stream.ended.is_set()
+
+    later = KubeletStream(claimed=True)
+    with trio.move_on_after(0):
+        await later.serve(feed, send)
+    assert not later.ended.is_set()
+
+
+def test_socket_names_are_fresh_and_recognised() -> None:
+    names = SocketNames()
+    first, second = next(names), next(names)
+    assert first != second
+    assert SocketNames.is_ours(first)
+    assert SocketNames.is_ours(second)
+    assert not SocketNames.is_ours("kubelet.sock")
+    assert not SocketNames.is_ours("pcc-other.sock")
+
+
+def test_stale_sockets_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    with bind_socket(tmp_path / "pcc-1-aa-0.sock"):
+        pass  # closed without unlinking: nothing serves it
+    live = bind_socket(tmp_path / "pcc-2-bb-0.sock")
+    live.listen()
+    with bind_socket(tmp_path / "nvidia.sock"), live:
+        (tmp_path / "pcc-3-cc-0.sock").write_text("not a socket")
+        remove_stale_sockets(tmp_path, keep="pcc-9-ff-0.sock")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "nvidia.sock",
+            "pcc-2-bb-0.sock",
+            "pcc-3-cc-0.sock",
+        ]
+
+
+def event(name: str | None, mask: Mask) -> Event:
+    return Event(watch=None, mask=mask, cookie=0, name=Path(name) if name else None)
+
+
+def test_restart_reasons(tmp_path: Path) -> None:
+    own = "pcc-1-aa-0.sock"
+    assert (
+        restart_reason([event("kubelet_internal_checkpoint", Mask.CREATE)], tmp_path, own) is None
+    )
+    # kubelet.sock created and gone again in one batch: nothing to register with yet.
+    created = [event("kubelet.sock", Mask.DELETE), event("kubelet.sock", Mask.CREATE)]
+    assert restart_reason(created, tmp_path, own) is None
+    with bind_socket(tmp_path / "kubelet.sock"):
+        assert restart_reason(created, tmp_path, own) == "kubelet restarted"
+        assert restart_reason([event("kubelet.sock", Mask.MOVED_TO)], tmp_path, own) == (
+            "kubelet restarted"
+        )
+    assert restart_reason([event(own, Mask.DELETE)], tmp_path, own) == "own socket removed"
+    assert restart_reason([event(None, Mask.Q_OVERFLOW)], tmp_path, own) == (
+        "inotify queue overflow"
+    )
+    assert restart_reason([event(None, Mask.DELETE_SELF)], tmp_path, own) == (
+        "device-plugin directory removed"
+    )
+    assert restart_reason([], tmp_path / "gone", own) == "device-plugin directory removed"
