@@ -7,6 +7,7 @@ the daemon is trio code that calls the functions below.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import weakref
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+import betterproto2
 import grpclib.client
 import grpclib.const
 import grpclib.encoding.proto
@@ -58,12 +60,53 @@ class _Codec(grpclib.encoding.proto.ProtoCodec):
 
     def decode(self, data: bytes, message_type: Any) -> Any:
         try:
-            return message_type.FromString(data)
+            message = message_type.FromString(data)
+            problem = _type_problem(message)
         except Exception as exc:
+            problem = str(exc)
+        if problem:
             raise grpclib.exceptions.GRPCError(
-                Status.INVALID_ARGUMENT,
-                f"cannot decode {message_type.__name__}: {exc}",
-            ) from None
+                Status.INVALID_ARGUMENT, f"cannot decode {message_type.__name__}: {problem}"
+            )
+        return message
+
+
+_PYTHON_TYPES: dict[str, type] = {
+    betterproto2.TYPE_STRING: str,
+    betterproto2.TYPE_BYTES: bytes,
+    betterproto2.TYPE_BOOL: bool,
+    betterproto2.TYPE_INT32: int,
+    betterproto2.TYPE_INT64: int,
+}
+
+
+def _type_problem(message: betterproto2.Message) -> str | None:
+    """Which field holds a value of the wrong type, or None.
+
+    betterproto2 decodes a field sent with the wrong wire type into a value of
+    the wrong type (an int where a message belongs); the handlers must never
+    see one.
+    """
+    metadata: Any = type(message)._betterproto  # type: ignore[arg-type]
+    message_classes: dict[str, type[betterproto2.Message]] = metadata.cls_by_field
+    for field in dataclasses.fields(message):  # type: ignore[arg-type]
+        meta = betterproto2.FieldMetadata.get(field)
+        value = getattr(message, field.name)
+        if meta.repeated and not isinstance(value, list):
+            return f"field {field.name} is not a list"
+        items: list[Any] = value if meta.repeated else [value]
+        for item in items:
+            if meta.proto_type == betterproto2.TYPE_MESSAGE:
+                if item is None and not meta.repeated:
+                    continue
+                if not isinstance(item, message_classes[field.name]):
+                    return f"field {field.name} holds {type(item).__name__}, not a message"
+                problem = _type_problem(item)
+                if problem:
+                    return problem
+            elif not isinstance(item, _PYTHON_TYPES.get(meta.proto_type, object)):
+                return f"field {field.name} holds {type(item).__name__}, not {meta.proto_type}"
+    return None
 
 
 class DevicePluginLogic(Protocol):
@@ -187,7 +230,10 @@ async def serve(
     has replaced it in the meantime.
     """
     server = _Server([_DevicePluginService(logic, list_and_watch)], codec=_Codec())
-    await trio_asyncio.aio_as_trio(server.start)(path=str(socket_path))
+    # Shielded: asyncio's create_unix_server, cancelled in its last step, leaves
+    # a listening socket that nothing references and nothing closes.
+    with trio.CancelScope(shield=True):
+        await trio_asyncio.aio_as_trio(server.start)(path=str(socket_path))
     own_inode = os.stat(socket_path).st_ino
     try:
         task_status.started()

@@ -159,7 +159,8 @@ def event(name: str | None, mask: Mask) -> Event:
     return Event(watch=None, mask=mask, cookie=0, name=Path(name) if name else None)
 
 
-def test_restart_reasons(tmp_path: Path) -> None:
+def test_restart_reasons(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     own = "pcc-1-aa-0.sock"
     assert (
         restart_reason([event("kubelet_internal_checkpoint", Mask.CREATE)], tmp_path, own) is None
@@ -169,6 +170,7 @@ def test_restart_reasons(tmp_path: Path) -> None:
     assert restart_reason(created, tmp_path, own) is None
     with bind_socket(tmp_path / "kubelet.sock"):
         assert restart_reason(created, tmp_path, own) == "kubelet restarted"
+        assert f"inotify: {tmp_path}/kubelet.sock created, restarting." in caplog.messages
         assert restart_reason([event("kubelet.sock", Mask.MOVED_TO)], tmp_path, own) == (
             "kubelet restarted"
         )

@@ -1,0 +1,287 @@
+"""The real daemon, as a process, against the simulated kubelet (grpcio)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+import pytest
+import trio
+
+from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
+
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
+ENDPOINT = re.compile(r"pcc-\d+-[0-9a-f]{6}-\d+\.sock")
+HEALTHY_16 = {f"pcc-{index}": "Healthy" for index in range(16)}
+
+
+async def serving(kubelet: SimKubelet, registrations: int = 1, resource: str = RESOURCE) -> str:
+    """Wait until kubelet holds `registrations` accepted ones and a live stream; the endpoint."""
+
+    def ready() -> bool:
+        accepted = [r for r in kubelet.registrations if r.accepted]
+        return len(accepted) >= registrations and kubelet.stream_open(resource)
+
+    await run_blocking(kubelet.wait_for, ready, 10.0)
+    return [r for r in kubelet.registrations if r.accepted][-1].endpoint
+
+
+async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
+    return await run_blocking(daemon.wait_for_log, text, 10.0, count=count)
+
+
+async def test_registers_serves_and_advertises_16_healthy_shares(
+    any_kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        endpoint = await serving(any_kubelet)
+        (registration,) = any_kubelet.registrations
+        assert registration.version == "v1beta1"
+        assert registration.resource_name == RESOURCE
+        assert ENDPOINT.fullmatch(endpoint), endpoint
+        assert registration.options is not None
+        assert not registration.options.pre_start_required
+        assert any_kubelet.devices(RESOURCE) == HEALTHY_16
+        assert (fake_node.plugin_dir / endpoint).is_socket()
+        line = await log_line(daemon, "Registered device plugin with Kubelet")
+        assert RESOURCE in line
+        assert endpoint in line
+
+
+async def test_resource_count_and_name(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(20):
+        start_daemon(*fake_node.daemon_args(), "--resource-count=3", "-resource-name=example.com/x")
+        await serving(kubelet, resource="example.com/x")
+        assert kubelet.devices("example.com/x") == {f"pcc-{i}": "Healthy" for i in range(3)}
+
+
+async def test_allocate_one_and_several_container_requests(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        await serving(kubelet)
+        one = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-0", "pcc-5"]])
+        several = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-1"], ["pcc-2", "pcc-3"]])
+        assert len(one.container_responses) == 1
+        assert len(several.container_responses) == 2
+        for container in [*one.container_responses, *several.container_responses]:
+            # Host paths, not the paths under --host-root the plugin checks.
+            assert [(d.container_path, d.host_path, d.permissions) for d in container.devices] == [
+                ("/dev/sev-guest", "/dev/sev-guest", "rw")
+            ]
+            assert [(m.container_path, m.host_path, m.read_only) for m in container.mounts] == [
+                ("/var/run/pcc", "/var/run/pcc", False)
+            ]
+        await log_line(daemon, "Allocate tke.cloud.tencent.com/pcc-device: [['pcc-0', 'pcc-5']]")
+
+
+@pytest.mark.parametrize(
+    ("payload", "details"),
+    [
+        (b"", "AllocateRequest has no container requests"),
+        (b"\x0a\x00", "container request 0 names no device IDs"),
+        (b"\x0a\x07\x0a\x05gpu-0", "unknown device IDs 'gpu-0'"),
+        (b"\x0a\x05\x0a\x03\xff\xfe\xfd", "cannot decode AllocateRequest"),
+        (b"\x08\x01", "cannot decode AllocateRequest: field container_requests holds int"),
+        (b"\x0a", "cannot decode AllocateRequest"),
+    ],
+)
+async def test_bad_requests_get_invalid_argument_without_a_traceback(
+    kubelet: SimKubelet,
+    fake_node: FakeNode,
+    start_daemon: StartDaemon,
+    payload: bytes,
+    details: str,
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        await serving(kubelet)
+        code, message = await run_blocking(
+            kubelet.call_raw, RESOURCE, "/v1beta1.DevicePlugin/Allocate", payload
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details in message
+        assert "Traceback" not in daemon.log_text()
+
+
+@pytest.mark.parametrize("kubelet", ["current", "legacy"], indirect=True)
+async def test_kubelet_restarts_once_then_100_times_without_leaking_fds(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(120):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        first = await serving(kubelet)
+        await run_blocking(kubelet.restart)
+        second = await serving(kubelet, registrations=2)
+        assert second != first
+        assert not (fake_node.plugin_dir / first).exists()
+        # Kubelet deletes our socket, then creates kubelet.sock: whichever the
+        # watcher sees first restarts the server.
+        await log_line(daemon, "restarting.")
+        fds = daemon.open_fds()
+        for restart in range(100):
+            await run_blocking(kubelet.restart)
+            await serving(kubelet, registrations=3 + restart)
+            assert kubelet.devices(RESOURCE) == HEALTHY_16
+        assert abs(daemon.open_fds() - fds) <= 2
+        assert [r.accepted for r in kubelet.registrations] == [True] * 102
+
+
+async def test_waits_for_kubelet_then_registers(
+    fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    fake_node.plugin_dir.mkdir()
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        await log_line(daemon, f"Waiting for kubelet: {fake_node.plugin_dir}/kubelet.sock")
+        with SimKubelet(fake_node.plugin_dir) as kubelet:
+            await serving(kubelet)
+
+
+async def test_waits_for_the_plugin_dir_then_registers(
+    fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        await log_line(daemon, f"Waiting for {fake_node.plugin_dir} to be created")
+        with SimKubelet(fake_node.plugin_dir) as kubelet:
+            await serving(kubelet)
+
+
+async def test_register_failures_are_retried_and_each_reason_logged_once(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    kubelet.fail_next_registers(["plugin busy", "plugin busy", "plugin busy", "other trouble"])
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        await serving(kubelet)
+        assert kubelet.register_calls == 5
+        failures = [
+            line
+            for line in daemon.log_text().splitlines()
+            if "Registration with kubelet failed" in line
+        ]
+        assert len(failures) == 2
+        assert "kubelet answered UNKNOWN: plugin busy" in failures[0]
+        assert "kubelet answered UNKNOWN: other trouble" in failures[1]
+
+
+async def test_registers_again_when_kubelet_drops_the_stream(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        await serving(kubelet)
+        await run_blocking(kubelet.drop_stream, RESOURCE)
+        await serving(kubelet, registrations=2)
+        await log_line(daemon, "kubelet's ListAndWatch stream ended; registering again")
+
+
+async def test_recovers_when_its_own_socket_is_deleted(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        first = await serving(kubelet)
+        (fake_node.plugin_dir / first).unlink()
+        assert await serving(kubelet, registrations=2) != first
+        await log_line(daemon, "own socket")
+
+
+async def test_recovers_when_the_plugin_dir_is_removed_and_recreated(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        await serving(kubelet)
+        await run_blocking(kubelet.stop)
+        shutil.rmtree(fake_node.plugin_dir)
+        await log_line(daemon, f"Waiting for {fake_node.plugin_dir} to be created")
+        await run_blocking(kubelet.start)
+        await serving(kubelet, registrations=2)
+
+
+async def test_removes_dead_sockets_of_its_own_and_keeps_live_ones(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    dead = fake_node.plugin_dir / "pcc-1-aaaaaa-0.sock"
+    live = fake_node.plugin_dir / "pcc-2-bbbbbb-0.sock"
+    with socket.socket(socket.AF_UNIX) as closed:
+        closed.bind(str(dead))
+    with socket.socket(socket.AF_UNIX) as listener, trio.fail_after(20):
+        listener.bind(str(live))
+        listener.listen()
+        daemon = start_daemon(*fake_node.daemon_args())
+        await serving(kubelet)
+        await log_line(daemon, f"Removed stale socket {dead}")
+        assert not dead.exists()
+        assert live.is_socket()
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        ("missing device", "detect device {host}/dev/sev-guest failed: No such file or directory"),
+        ("regular file", "detect device {host}/dev/sev-guest failed: not a character device"),
+        ("missing dir", "detect socket path {host}/var/run/pcc failed: No such file or directory"),
+    ],
+)
+async def test_detect_failures_exit_1_with_the_searched_phrase(
+    fake_node: FakeNode, start_daemon: StartDaemon, breakage: str, message: str
+) -> None:
+    if breakage == "missing dir":
+        fake_node.pcc_dir.rmdir()
+    else:
+        fake_node.device.unlink()
+        if breakage == "regular file":
+            fake_node.device.write_text("")
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        assert await run_blocking(daemon.proc.wait, 15) == 1
+        (line,) = daemon.log_text().splitlines()
+        assert re.match(r"E\d{4} ", line)
+        assert line.endswith(message.format(host=fake_node.host_root))
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_stops_it_cleanly(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon, stop_signal: int
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        endpoint = await serving(kubelet)
+        assert await run_blocking(daemon.terminate, stop_signal, 5.0) == 0
+        assert not (fake_node.plugin_dir / endpoint).exists()
+        # Kubelet's stream ended with the daemon, not with a hang.
+        await run_blocking(kubelet.wait_for, lambda: not kubelet.stream_open(RESOURCE), 5.0)
+
+
+async def test_a_second_signal_forces_the_exit(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args())
+        await serving(kubelet)
+        # Both signals are pending when the daemon resumes, so the second one
+        # arrives while the first shutdown is still under way.
+        os.kill(daemon.pid, signal.SIGSTOP)
+        os.kill(daemon.pid, signal.SIGTERM)
+        os.kill(daemon.pid, signal.SIGINT)
+        os.kill(daemon.pid, signal.SIGCONT)
+        assert await run_blocking(daemon.proc.wait, 10) in (
+            128 + signal.SIGTERM,
+            128 + signal.SIGINT,
+        )
+
+
+def test_fake_node_paths_fit_in_a_unix_socket(fake_node: FakeNode) -> None:
+    assert len(str(Path(fake_node.plugin_dir) / "pcc-4194304-abcdef-999.sock")) < 107
