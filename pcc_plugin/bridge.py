@@ -27,7 +27,7 @@ import trio
 import trio_asyncio
 
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.devices import RequestError
+from pcc_plugin.devices import DeviceUnavailable, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _type_problem(message: betterproto2.Message) -> str | None:
 
 
 class DevicePluginLogic(Protocol):
-    """What the daemon answers; implemented by `devices.Shares` plus the device feed."""
+    """What the daemon answers for one resource; implemented by `devices.DevicePlugin`."""
 
     def options(self) -> api.DevicePluginOptions: ...
     def allocate(self, request: api.AllocateRequest) -> api.AllocateResponse: ...
@@ -164,6 +164,8 @@ class _DevicePluginService(api.DevicePluginBase):
             response = answer(request)
         except RequestError as exc:
             raise grpclib.exceptions.GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+        except DeviceUnavailable as exc:
+            raise grpclib.exceptions.GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
         await stream.send_message(response)
 
     async def _options(self, stream: Stream) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import stat
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -23,6 +21,7 @@ from pcc_plugin.config import (
     Config,
     ConfigError,
 )
+from pcc_plugin.resources import health_problem, pcc_resource
 
 log = logging.getLogger("pcc_plugin")
 
@@ -35,6 +34,8 @@ _FLAGS = (
     "device-plugin-path",
     "host-root",
     "v",
+    "metrics-bind-address",
+    "pre-start-check",
     "help",
 )
 
@@ -130,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
         "PCC directory are checked under it, kubelet is given the host paths "
         "(default: none)",
     )
+    add(
+        "--metrics-bind-address",
+        default=":8080",
+        metavar="ADDRESS",
+        help="where to serve /metrics, /livez and /readyz: host:port, :port for every "
+        "address, or empty to serve nothing (default: %(default)s)",
+    )
+    add(
+        "--pre-start-check",
+        action="store_true",
+        help="ask kubelet to call PreStartContainer and check the device and PCC directory "
+        "again before each container starts (default: off)",
+    )
     add("--v", default=0, type=_whole_number(0), metavar="LEVEL", dest="verbosity",
         help="log verbosity: 0 registrations and errors, 1 each Allocate and registration "
              "step, 2 debug and gRPC internals (default: %(default)s)")  # fmt: skip
@@ -144,27 +158,11 @@ def parse_config(argv: Sequence[str]) -> Config:
         usage_error(str(exc))
 
 
-def detect_problem(config: Config) -> str | None:
-    """Why the node cannot serve the device, in the words operators search for, or None."""
-    device = config.seen_from_here(config.pcc_device)
-    try:
-        if not stat.S_ISCHR(os.stat(device).st_mode):
-            return f"detect device {device} failed: not a character device"
-    except OSError as exc:
-        return f"detect device {device} failed: {exc.strerror}"
-    pcc_dir = config.seen_from_here(config.pcc_socket_path)
-    try:
-        if not stat.S_ISDIR(os.stat(pcc_dir).st_mode):
-            return f"detect socket path {pcc_dir} failed: not a directory"
-    except OSError as exc:
-        return f"detect socket path {pcc_dir} failed: {exc.strerror}"
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     config = parse_config(sys.argv[1:] if argv is None else argv)
     klog.configure(config.verbosity)
-    problem = detect_problem(config)
+    specs = [pcc_resource(config)]
+    problem = health_problem(specs[0], config.host_root)
     if problem:
         log.error("%s", problem)
         sys.exit(1)
@@ -175,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     from pcc_plugin.watch import FatalError
 
     try:
-        trio.run(supervisor.run, config)
+        trio.run(supervisor.run, config, specs)
     except* FatalError as group:
         for error in _leaves(group):
             log.error("%s", error)

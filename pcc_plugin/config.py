@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from pathlib import PurePosixPath
 
 import attrs
 
@@ -17,8 +16,9 @@ MAX_RESOURCE_COUNT = 10_000
 CONTAINER_DEVICE_PATH = "/dev/sev-guest"
 CONTAINER_PCC_PATH = "/var/run/pcc"
 KUBELET_SOCKET = "kubelet.sock"
-# A unix socket path holds at most 107 bytes; our socket names take up to 35.
-MAX_PLUGIN_DIR_BYTES = 72
+# A unix socket path holds at most 107 bytes; our socket names take up to 51
+# (`<prefix of up to 20>-<pid>-<token>-<n>.sock`).
+MAX_PLUGIN_DIR_BYTES = 56
 
 _DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
@@ -81,6 +81,16 @@ def _plugin_dir(_: object, __: attrs.Attribute[str], value: str) -> None:
         )
 
 
+def _bind_address(_: object, __: attrs.Attribute[str], value: str) -> None:
+    if not value:
+        return
+    _, colon, port = value.rpartition(":")
+    if not colon or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(
+            f"--metrics-bind-address must be host:port, :port or empty, got {value!r}"
+        )
+
+
 def _host_root(_: object, __: attrs.Attribute[str], value: str) -> None:
     if value and not value.startswith("/"):
         raise ConfigError(f"--host-root must be empty or an absolute path, got {value!r}")
@@ -102,11 +112,6 @@ class Config:
     )
     host_root: str = attrs.field(default="", validator=_host_root)
     verbosity: int = 0
-
-    def seen_from_here(self, host_path: str) -> PurePosixPath:
-        """Where a host path is visible to this process (under --host-root)."""
-        return (
-            PurePosixPath(self.host_root + host_path)
-            if self.host_root
-            else PurePosixPath(host_path)
-        )
+    # `host:port`, `:port` (every address) or "" (no metrics and probes).
+    metrics_bind_address: str = attrs.field(default=":8080", validator=_bind_address)
+    pre_start_check: bool = False

@@ -1,4 +1,4 @@
-"""What the plugin advertises and what it answers: pure functions of the configuration."""
+"""What the plugin advertises and answers for one resource."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import attrs
 import trio
 
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.config import CONTAINER_DEVICE_PATH, CONTAINER_PCC_PATH, Config
 from pcc_plugin.klog import V1
+from pcc_plugin.resources import ResourceSpec, health_problem
+from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,11 @@ UNHEALTHY = "Unhealthy"
 
 
 class RequestError(ValueError):
-    """A request kubelet (or anyone) sent that names no device or unknown ones."""
+    """A request that names no device or unknown ones: INVALID_ARGUMENT."""
+
+
+class DeviceUnavailable(RuntimeError):
+    """The device or a mount source is gone: FAILED_PRECONDITION, with the reason."""
 
 
 def device_ids(count: int) -> tuple[str, ...]:
@@ -29,26 +34,19 @@ def device_ids(count: int) -> tuple[str, ...]:
 
 @attrs.frozen
 class Shares:
-    """The shares of one device node and one PCC directory, as kubelet sees them."""
+    """The shares of one resource, as kubelet sees them: pure functions of the spec."""
 
-    config: Config
+    spec: ResourceSpec
     ids: tuple[str, ...] = attrs.field()
     known: frozenset[str] = attrs.field()
 
     @ids.default
     def _ids(self) -> tuple[str, ...]:
-        return device_ids(self.config.resource_count)
+        return device_ids(self.spec.count)
 
     @known.default
     def _known(self) -> frozenset[str]:
         return frozenset(self.ids)
-
-    def options(self) -> api.DevicePluginOptions:
-        # Every share is the same device, so there is no preference to give,
-        # and nothing needs checking before a container starts.
-        return api.DevicePluginOptions(
-            pre_start_required=False, get_preferred_allocation_available=False
-        )
 
     def listing(self, health: str) -> bytes:
         """The full device list, encoded once and shared by every ListAndWatch stream."""
@@ -57,7 +55,7 @@ class Shares:
         )
         return bytes(message)
 
-    def _check_ids(self, where: str, ids: list[str]) -> None:
+    def check_ids(self, where: str, ids: list[str]) -> None:
         if not ids:
             raise RequestError(f"{where} names no device IDs")
         unknown = sorted(set(ids) - self.known)
@@ -66,50 +64,30 @@ class Shares:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise RequestError(
                 f"{where} names unknown device IDs {shown}{more}; "
-                f"{self.config.resource_name} has {self.ids[0]} to {self.ids[-1]}"
+                f"{self.spec.name} has {self.ids[0]} to {self.ids[-1]}"
             )
 
-    def allocate(self, request: api.AllocateRequest) -> api.AllocateResponse:
-        if not request.container_requests:
-            raise RequestError("AllocateRequest has no container requests")
-        responses = []
-        for index, container in enumerate(request.container_requests):
-            self._check_ids(f"container request {index}", container.devices_ids)
-            responses.append(self._container_response())
-        log.log(
-            V1,
-            "Allocate %s: %s -> %s and %s",
-            self.config.resource_name,
-            [container.devices_ids for container in request.container_requests],
-            self.config.pcc_device,
-            self.config.pcc_socket_path,
-        )
-        return api.AllocateResponse(container_responses=responses)
-
-    def _container_response(self) -> api.ContainerAllocateResponse:
-        # Several shares still mean one device node and one mount.
+    def container_response(self) -> api.ContainerAllocateResponse:
+        # Several shares still mean each device node and mount once.
         return api.ContainerAllocateResponse(
             devices=[
                 api.DeviceSpec(
-                    container_path=CONTAINER_DEVICE_PATH,
-                    host_path=self.config.pcc_device,
-                    permissions="rw",
+                    container_path=node.container_path,
+                    host_path=node.host_path,
+                    permissions=node.permissions,
                 )
+                for node in self.spec.device_nodes
             ],
             mounts=[
                 api.Mount(
-                    container_path=CONTAINER_PCC_PATH,
-                    host_path=self.config.pcc_socket_path,
-                    read_only=False,
+                    container_path=mount.container_path,
+                    host_path=mount.host_path,
+                    read_only=mount.read_only,
                 )
+                for mount in self.spec.mounts
             ],
+            envs=dict(self.spec.envs),
         )
-
-    def pre_start_container(
-        self, request: api.PreStartContainerRequest
-    ) -> api.PreStartContainerResponse:
-        self._check_ids("PreStartContainerRequest", request.devices_ids)
-        return api.PreStartContainerResponse()
 
 
 class DeviceFeed:
@@ -135,3 +113,74 @@ class DeviceFeed:
                 await send(self._payload)
             else:
                 await self._changed.wait()
+
+
+class DevicePlugin:
+    """One resource's answers to kubelet, with its current health."""
+
+    def __init__(
+        self, spec: ResourceSpec, host_root: str, stats: ResourceStats, pre_start_check: bool
+    ) -> None:
+        self.spec = spec
+        self.shares = Shares(spec)
+        self.stats = stats
+        self._host_root = host_root
+        self._pre_start_check = pre_start_check
+        self.problem: str | None = None
+        self.feed = DeviceFeed(self.shares.listing(HEALTHY))
+        stats.devices = spec.count
+
+    def set_problem(self, problem: str | None) -> None:
+        """Publish a health change to every stream, and say why in the log."""
+        if problem == self.problem:
+            return
+        self.problem = problem
+        self.stats.healthy = problem is None
+        if problem:
+            log.warning("%s: every device is Unhealthy: %s", self.spec.name, problem)
+        else:
+            log.info("%s: every device is Healthy again", self.spec.name)
+        self.feed.publish(self.shares.listing(UNHEALTHY if problem else HEALTHY))
+
+    def options(self) -> api.DevicePluginOptions:
+        # Every share is the same device: there is no preference to give.
+        return api.DevicePluginOptions(
+            pre_start_required=self._pre_start_check, get_preferred_allocation_available=False
+        )
+
+    def allocate(self, request: api.AllocateRequest) -> api.AllocateResponse:
+        try:
+            if not request.container_requests:
+                raise RequestError("AllocateRequest has no container requests")
+            for index, container in enumerate(request.container_requests):
+                self.shares.check_ids(f"container request {index}", container.devices_ids)
+            if self.problem:
+                raise DeviceUnavailable(f"{self.spec.name} is unhealthy: {self.problem}")
+        except RequestError:
+            self.stats.allocations["invalid"] += 1
+            raise
+        except DeviceUnavailable:
+            self.stats.allocations["unavailable"] += 1
+            raise
+        self.stats.allocations["ok"] += 1
+        log.log(
+            V1,
+            "Allocate %s: %s -> %s",
+            self.spec.name,
+            [container.devices_ids for container in request.container_requests],
+            ", ".join(self.spec.host_paths()),
+        )
+        response = self.shares.container_response()
+        return api.AllocateResponse(
+            container_responses=[response] * len(request.container_requests)
+        )
+
+    def pre_start_container(
+        self, request: api.PreStartContainerRequest
+    ) -> api.PreStartContainerResponse:
+        self.shares.check_ids("PreStartContainerRequest", request.devices_ids)
+        if self._pre_start_check:
+            problem = health_problem(self.spec, self._host_root)
+            if problem:
+                raise DeviceUnavailable(f"cannot start the container: {problem}")
+        return api.PreStartContainerResponse()

@@ -1,16 +1,20 @@
 """The daemon's nursery tree. Every long-lived task starts here.
 
-    run(config)
+    run(config, specs)
     └── asyncio loop for grpclib (bridge.asyncio_loop), one for the process
         └── root nursery
             ├── signals: the first SIGTERM/SIGINT cancels `work`; a second exits at once
-            └── work: serve_kubelet, one generation after another
-                ├── wait_for_directory (until kubelet has created the socket dir)
-                └── generation nursery; cancelling it is how the daemon restarts
-                    ├── watch_plugin_dir       kubelet.sock created, own socket or dir removed
-                    ├── bridge.serve           DevicePlugin on a socket with a fresh name
-                    ├── register_with_kubelet  only once serving; retries with backoff
-                    └── reregister_when_stream_ends
+            └── work
+                ├── metrics.serve        /metrics, /livez, /readyz (when a bind address is set)
+                └── serve_resource       one per resource
+                    ├── watch_health     inotify on the device's and mounts' parent directories
+                    └── serve_kubelet    one generation after another:
+                        ├── wait_for_directory (until kubelet has created the socket dir)
+                        └── generation nursery; cancelling it is how the plugin restarts
+                            ├── watch_plugin_dir       kubelet.sock created, own socket/dir removed
+                            ├── bridge.serve           DevicePlugin on a socket with a fresh name
+                            ├── register_with_kubelet  only once serving; retries with backoff
+                            └── reregister_when_stream_ends
 
 A generation ends only by cancellation, through `Restart`, which records why.
 """
@@ -22,7 +26,6 @@ import itertools
 import logging
 import os
 import random
-import re
 import secrets
 import signal
 import socket
@@ -36,14 +39,16 @@ import trio
 from pcc_plugin import bridge
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.config import KUBELET_SOCKET, Config
-from pcc_plugin.devices import HEALTHY, DeviceFeed, Shares
+from pcc_plugin.devices import DeviceFeed, DevicePlugin
+from pcc_plugin.health import watch_health
 from pcc_plugin.klog import V1
+from pcc_plugin.resources import ResourceSpec
+from pcc_plugin.stats import ResourceStats
 from pcc_plugin.watch import FatalError, is_socket, wait_for_directory, watch_plugin_dir
 
 log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
-SOCKET_PREFIX = "pcc"
 # Kubelet dials back with a 10 s timeout inside Register; leave it room.
 REGISTER_TIMEOUT = 15.0
 
@@ -87,6 +92,7 @@ class KubeletStream:
     from tools (doctor, benchmarks) and their end means nothing.
     """
 
+    stats: ResourceStats
     ended: trio.Event = attrs.Factory(trio.Event)
     claimed: bool = False
 
@@ -94,30 +100,30 @@ class KubeletStream:
         is_kubelet = not self.claimed
         self.claimed = True
         log.log(V1, "ListAndWatch stream opened%s", " (kubelet's)" if is_kubelet else "")
+        self.stats.streams_open += 1
+        self.stats.kubelet_stream_open |= is_kubelet
         try:
             await feed.stream(send)
         finally:
+            self.stats.streams_open -= 1
             if is_kubelet:
+                self.stats.kubelet_stream_open = False
                 self.ended.set()
 
 
 class SocketNames:
-    """Fresh socket names, `pcc-<pid>-<token>-<n>.sock`.
+    """Fresh socket names, `<prefix>-<pid>-<token>-<n>.sock`.
 
     Pods of a DaemonSet often share a PID (1) across a rolling update; the
     random token keeps two instances from ever choosing the same name.
     """
 
-    def __init__(self) -> None:
-        self._stem = f"{SOCKET_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+    def __init__(self, prefix: str) -> None:
+        self._stem = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
         self._counter = itertools.count()
 
     def __next__(self) -> str:
         return f"{self._stem}-{next(self._counter)}.sock"
-
-    @staticmethod
-    def is_ours(name: str) -> bool:
-        return re.fullmatch(rf"{SOCKET_PREFIX}-\d+-[0-9a-f]+-\d+\.sock", name) is not None
 
 
 def accepts_connections(path: Path) -> bool:
@@ -133,10 +139,10 @@ def accepts_connections(path: Path) -> bool:
     return True
 
 
-def remove_stale_sockets(plugin_dir: Path, keep: str) -> None:
-    """Remove sockets of this plugin's naming that nothing serves any more."""
+def remove_stale_sockets(plugin_dir: Path, spec: ResourceSpec, keep: str) -> None:
+    """Remove sockets of this resource's naming that nothing serves any more."""
     for entry in os.scandir(plugin_dir):
-        if entry.name == keep or not SocketNames.is_ours(entry.name):
+        if entry.name == keep or not spec.is_own_socket(entry.name):
             continue
         path = plugin_dir / entry.name
         if not stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
@@ -154,6 +160,8 @@ def remove_stale_sockets(plugin_dir: Path, keep: str) -> None:
 async def register_with_kubelet(
     plugin_dir: Path,
     request: api.RegisterRequest,
+    stats: ResourceStats,
+    cause: str,
     register: Register = bridge.register,
     backoff: Backoff | None = None,
 ) -> None:
@@ -164,6 +172,7 @@ async def register_with_kubelet(
     while True:
         if not is_socket(kubelet_socket):
             what = "is not a socket" if kubelet_socket.exists() else "does not exist"
+            stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
             log.info("Waiting for kubelet: %s %s yet", kubelet_socket, what)
             # The watcher restarts this generation when kubelet creates it.
             await trio.sleep_forever()
@@ -172,6 +181,7 @@ async def register_with_kubelet(
         try:
             await register(kubelet_socket, request, REGISTER_TIMEOUT)
         except bridge.RegisterFailed as exc:
+            stats.waiting_for = f"registration failed: {exc}"
             if str(exc) not in reported:
                 reported.add(str(exc))
                 log.error("Registration with kubelet failed, retrying: %s", exc)
@@ -179,6 +189,8 @@ async def register_with_kubelet(
             continue
         log.info("Registered device plugin with Kubelet: resource %s, endpoint %s",
                  request.resource_name, request.endpoint)  # fmt: skip
+        stats.registered = True
+        stats.registrations[cause] += 1
         return
 
 
@@ -192,10 +204,12 @@ async def reregister_when_stream_ends(stream: KubeletStream, restart: Restart) -
 
 
 async def serve_socket(
-    nursery: trio.Nursery, shares: Shares, stream: KubeletStream, feed: DeviceFeed, path: Path
+    nursery: trio.Nursery, plugin: DevicePlugin, stream: KubeletStream, path: Path
 ) -> None:
     try:
-        await nursery.start(bridge.serve, shares, functools.partial(stream.serve, feed), path)
+        await nursery.start(
+            bridge.serve, plugin, functools.partial(stream.serve, plugin.feed), path
+        )
     except PermissionError:
         raise FatalError(
             f"cannot create {path}: permission denied; run the plugin as root "
@@ -203,46 +217,59 @@ async def serve_socket(
         ) from None
 
 
-async def serve_generation(config: Config, shares: Shares, feed: DeviceFeed, endpoint: str) -> str:
+async def serve_generation(
+    plugin_dir: Path, plugin: DevicePlugin, endpoint: str, cause: str
+) -> str:
     """Serve on a fresh socket and register, until something cancels; return why."""
-    plugin_dir = Path(config.device_plugin_path)
     request = api.RegisterRequest(
         version=API_VERSION,
         endpoint=endpoint,
-        resource_name=config.resource_name,
-        options=shares.options(),
+        resource_name=plugin.spec.name,
+        options=plugin.options(),
     )
-    stream = KubeletStream()
+    plugin.stats.registered = False
+    plugin.stats.waiting_for = "registering with kubelet"
+    stream = KubeletStream(plugin.stats)
     async with trio.open_nursery() as nursery:
         restart = Restart(nursery.cancel_scope)
         await nursery.start(watch_plugin_dir, plugin_dir, endpoint, restart)
         try:
-            remove_stale_sockets(plugin_dir, keep=endpoint)
-            await serve_socket(nursery, shares, stream, feed, plugin_dir / endpoint)
+            remove_stale_sockets(plugin_dir, plugin.spec, keep=endpoint)
+            await serve_socket(nursery, plugin, stream, plugin_dir / endpoint)
         except FileNotFoundError:
             restart(f"{plugin_dir} disappeared")
             return restart.reason or ""
-        nursery.start_soon(register_with_kubelet, plugin_dir, request)
+        nursery.start_soon(register_with_kubelet, plugin_dir, request, plugin.stats, cause)
         nursery.start_soon(reregister_when_stream_ends, stream, restart)
     return restart.reason or "cancelled"
 
 
-async def serve_kubelet(config: Config, shares: Shares, feed: DeviceFeed) -> None:
-    plugin_dir = Path(config.device_plugin_path)
-    names = SocketNames()
+async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin) -> None:
+    names = SocketNames(plugin.spec.socket_prefix)
+    cause = "start"
     while True:
+        plugin.stats.registered = False
+        plugin.stats.waiting_for = f"waiting for {plugin_dir} to be created"
         await wait_for_directory(plugin_dir)
-        reason = await serve_generation(config, shares, feed, next(names))
-        log.log(V1, "Restarting the device plugin server: %s", reason)
+        cause = await serve_generation(plugin_dir, plugin, next(names), cause)
+        if cause == "kubelet restarted":
+            plugin.stats.kubelet_restarts += 1
+        log.log(V1, "Restarting the device plugin server: %s", cause)
 
 
-async def run(config: Config) -> None:
-    shares = Shares(config)
-    feed = DeviceFeed(shares.listing(HEALTHY))
-    log.info(
-        "Starting pcc-device-plugin: %s x%d -> %s and %s",
-        config.resource_name, config.resource_count, config.pcc_device, config.pcc_socket_path,
-    )  # fmt: skip
+async def serve_resource(config: Config, plugin: DevicePlugin) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch_health, plugin, config.host_root)
+        nursery.start_soon(serve_kubelet, Path(config.device_plugin_path), plugin)
+
+
+async def run(config: Config, specs: list[ResourceSpec]) -> None:
+    plugins = [
+        DevicePlugin(spec, config.host_root, ResourceStats(), config.pre_start_check)
+        for spec in specs
+    ]
+    for spec in specs:
+        log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
     async with bridge.asyncio_loop():
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as root:
@@ -250,7 +277,16 @@ async def run(config: Config) -> None:
 
                 async def serve_until_stopped() -> None:
                     with work:
-                        await serve_kubelet(config, shares, feed)
+                        async with trio.open_nursery() as nursery:
+                            if config.metrics_bind_address:
+                                # Imported only when wanted: it costs memory at every start.
+                                from pcc_plugin import metrics
+
+                                await nursery.start(
+                                    metrics.serve, config.metrics_bind_address, plugins
+                                )
+                            for plugin in plugins:
+                                nursery.start_soon(serve_resource, config, plugin)
                     root.cancel_scope.cancel()
 
                 root.start_soon(serve_until_stopped)

@@ -15,8 +15,10 @@ import trio
 
 from pcc_plugin import bridge
 from pcc_plugin.config import Config
-from pcc_plugin.devices import HEALTHY, DeviceFeed, Shares
+from pcc_plugin.devices import DeviceFeed, DevicePlugin
+from pcc_plugin.resources import pcc_resource
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
+from pcc_plugin.stats import ResourceStats
 
 
 @pytest.fixture
@@ -47,13 +49,12 @@ def watch_in_thread(path: Path, outcome: queue.Queue[object]) -> grpc.Channel:
 
 
 async def test_teardown_closes_live_streams_and_removes_the_socket(socket_path: Path) -> None:
-    shares = Shares(Config())
-    feed = DeviceFeed(shares.listing(HEALTHY))
+    plugin = DevicePlugin(pcc_resource(Config()), "", ResourceStats(), pre_start_check=False)
     outcome: queue.Queue[object] = queue.Queue()
     get = functools.partial(trio.to_thread.run_sync, outcome.get, abandon_on_cancel=True)
     with trio.fail_after(10):
         async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
-            await nursery.start(bridge.serve, shares, feed.stream, socket_path)
+            await nursery.start(bridge.serve, plugin, plugin.feed.stream, socket_path)
             channel = watch_in_thread(socket_path, outcome)
             assert await get() == 16
             nursery.cancel_scope.cancel()
@@ -64,10 +65,10 @@ async def test_teardown_closes_live_streams_and_removes_the_socket(socket_path: 
 
 
 async def test_teardown_leaves_a_socket_someone_else_replaced(socket_path: Path) -> None:
-    shares = Shares(Config())
+    plugin = DevicePlugin(pcc_resource(Config()), "", ResourceStats(), pre_start_check=False)
     with trio.fail_after(10):
         async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
-            await nursery.start(bridge.serve, shares, DeviceFeed(b"").stream, socket_path)
+            await nursery.start(bridge.serve, plugin, DeviceFeed(b"").stream, socket_path)
             socket_path.unlink()
             socket_path.write_text("someone else's")
             nursery.cancel_scope.cancel()

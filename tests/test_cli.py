@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pcc_plugin.cli import build_parser, detect_problem, go_style, parse_config
+from pcc_plugin.cli import build_parser, go_style, parse_config
 from pcc_plugin.config import MAX_RESOURCE_COUNT, Config, resource_name_problem
+from pcc_plugin.resources import health_problem, pcc_resource
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,6 +33,8 @@ def test_defaults() -> None:
         device_plugin_path="/var/lib/kubelet/device-plugins",
         host_root="",
         verbosity=0,
+        metrics_bind_address=":8080",
+        pre_start_check=False,
     )
 
 
@@ -69,6 +72,8 @@ def test_every_flag_is_documented() -> None:
         "--device-plugin-path",
         "--host-root",
         "--v",
+        "--metrics-bind-address",
+        "--pre-start-check",
     ):
         assert flag in help_text
 
@@ -94,6 +99,8 @@ def test_largest_resource_count_is_accepted() -> None:
         (["--host-root=host"], "--host-root must be empty or an absolute path"),
         (["--device-plugin-path=/" + "d" * 80], "--device-plugin-path is too long"),
         (["--v=-1"], "--v: must be at least 0, got -1"),
+        (["--metrics-bind-address=8080"], "--metrics-bind-address must be host:port"),
+        (["--metrics-bind-address=:http"], "--metrics-bind-address must be host:port"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--pcc-dev=/dev/x"], "unrecognized arguments: --pcc-dev=/dev/x"),
         (["--resource-count"], "--resource-count: expected one argument"),
@@ -145,28 +152,28 @@ def host(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def detect(host: Path) -> str | None:
+    return health_problem(pcc_resource(Config()), str(host))
+
+
 def test_detect_accepts_a_character_device_and_a_directory(host: Path) -> None:
-    assert detect_problem(Config(host_root=str(host))) is None
+    assert detect(host) is None
 
 
 def test_detect_missing_device(host: Path) -> None:
     (host / "dev" / "sev-guest").unlink()
-    assert detect_problem(Config(host_root=str(host))) == (
-        f"detect device {host}/dev/sev-guest failed: No such file or directory"
-    )
+    assert detect(host) == (f"detect device {host}/dev/sev-guest failed: No such file or directory")
 
 
 def test_detect_device_that_is_not_a_character_device(host: Path) -> None:
     (host / "dev" / "sev-guest").unlink()
     (host / "dev" / "sev-guest").write_text("")
-    assert detect_problem(Config(host_root=str(host))) == (
-        f"detect device {host}/dev/sev-guest failed: not a character device"
-    )
+    assert detect(host) == (f"detect device {host}/dev/sev-guest failed: not a character device")
 
 
 def test_detect_missing_socket_dir(host: Path) -> None:
     os.rmdir(host / "var" / "run" / "pcc")
-    assert detect_problem(Config(host_root=str(host))) == (
+    assert detect(host) == (
         f"detect socket path {host}/var/run/pcc failed: No such file or directory"
     )
 
@@ -174,6 +181,4 @@ def test_detect_missing_socket_dir(host: Path) -> None:
 def test_detect_socket_path_that_is_a_file(host: Path) -> None:
     os.rmdir(host / "var" / "run" / "pcc")
     (host / "var" / "run" / "pcc").write_text("")
-    assert detect_problem(Config(host_root=str(host))) == (
-        f"detect socket path {host}/var/run/pcc failed: not a directory"
-    )
+    assert detect(host) == (f"detect socket path {host}/var/run/pcc failed: not a directory")

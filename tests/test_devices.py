@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.config import Config
-from pcc_plugin.devices import HEALTHY, UNHEALTHY, RequestError, Shares
+from pcc_plugin.devices import HEALTHY, UNHEALTHY, DevicePlugin, DeviceUnavailable, RequestError
+from pcc_plugin.resources import pcc_resource
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
+from pcc_plugin.stats import ResourceStats
 
 
-def allocate(shares: Shares, *containers: list[str]) -> pb.AllocateResponse:
+def plugin(config: Config | None = None, *, pre_start_check: bool = False) -> DevicePlugin:
+    config = config or Config()
+    return DevicePlugin(pcc_resource(config), config.host_root, ResourceStats(), pre_start_check)
+
+
+def allocate(shares: DevicePlugin, *containers: list[str]) -> pb.AllocateResponse:
     request = api.AllocateRequest(
         container_requests=[api.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
     )
@@ -19,15 +28,15 @@ def allocate(shares: Shares, *containers: list[str]) -> pb.AllocateResponse:
 
 
 def test_listing_has_every_share_with_stable_ids() -> None:
-    listing = pb.ListAndWatchResponse.FromString(Shares(Config()).listing(HEALTHY))
+    listing = pb.ListAndWatchResponse.FromString(plugin().shares.listing(HEALTHY))
     assert [device.ID for device in listing.devices] == [f"pcc-{i}" for i in range(16)]
     assert {device.health for device in listing.devices} == {"Healthy"}
-    assert Shares(Config()).ids == Shares(Config()).ids
+    assert plugin().shares.ids == plugin().shares.ids
 
 
 def test_listing_follows_resource_count_and_health() -> None:
     listing = pb.ListAndWatchResponse.FromString(
-        Shares(Config(resource_count=10_000)).listing(UNHEALTHY)
+        plugin(Config(resource_count=10_000)).shares.listing(UNHEALTHY)
     )
     assert len(listing.devices) == 10_000
     assert listing.devices[-1].ID == "pcc-9999"
@@ -35,13 +44,13 @@ def test_listing_follows_resource_count_and_health() -> None:
 
 
 def test_options_offer_nothing_unimplemented() -> None:
-    options = pb.DevicePluginOptions.FromString(bytes(Shares(Config()).options()))
+    options = pb.DevicePluginOptions.FromString(bytes(plugin().options()))
     assert not options.pre_start_required
     assert not options.get_preferred_allocation_available
 
 
 def test_allocate_gives_the_host_device_and_pcc_dir() -> None:
-    shares = Shares(
+    shares = plugin(
         Config(pcc_device="/dev/sev-guest0", pcc_socket_path="/run/pcc", host_root="/host")
     )
     response = allocate(shares, ["pcc-3"])
@@ -58,13 +67,13 @@ def test_allocate_gives_the_host_device_and_pcc_dir() -> None:
 
 
 def test_several_shares_give_the_device_and_mount_once() -> None:
-    (container,) = allocate(Shares(Config()), ["pcc-0", "pcc-1", "pcc-15"]).container_responses
+    (container,) = allocate(plugin(), ["pcc-0", "pcc-1", "pcc-15"]).container_responses
     assert len(container.devices) == 1
     assert len(container.mounts) == 1
 
 
 def test_one_response_per_container_request() -> None:
-    response = allocate(Shares(Config()), ["pcc-0"], ["pcc-1", "pcc-2"], ["pcc-3"])
+    response = allocate(plugin(), ["pcc-0"], ["pcc-1", "pcc-2"], ["pcc-3"])
     assert len(response.container_responses) == 3
 
 
@@ -83,11 +92,36 @@ def test_bad_requests_name_the_problem(containers: list[list[str]], message: str
         container_requests=[api.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
     )
     with pytest.raises(RequestError, match=message.replace("(", r"\(")):
-        Shares(Config()).allocate(request)
+        plugin().allocate(request)
 
 
 def test_pre_start_container_checks_ids() -> None:
-    shares = Shares(Config())
+    shares = plugin()
     shares.pre_start_container(api.PreStartContainerRequest(devices_ids=["pcc-1"]))
     with pytest.raises(RequestError, match="unknown device IDs 'nope'"):
         shares.pre_start_container(api.PreStartContainerRequest(devices_ids=["nope"]))
+
+
+def test_allocate_fails_with_the_reason_while_unhealthy() -> None:
+    shares = plugin()
+    shares.set_problem("detect device /dev/sev-guest failed: No such file or directory")
+    request = api.AllocateRequest(
+        container_requests=[api.ContainerAllocateRequest(devices_ids=["pcc-0"])]
+    )
+    with pytest.raises(DeviceUnavailable, match="is unhealthy: detect device /dev/sev-guest"):
+        shares.allocate(request)
+    shares.set_problem(None)
+    assert len(shares.allocate(request).container_responses) == 1
+    assert shares.stats.allocations == {"unavailable": 1, "ok": 1}
+
+
+def test_pre_start_check_looks_at_the_node_again(tmp_path: Path) -> None:
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "sev-guest").symlink_to("/dev/null")
+    checked = plugin(Config(host_root=str(tmp_path)), pre_start_check=True)
+    assert checked.options().pre_start_required
+    request = api.PreStartContainerRequest(devices_ids=["pcc-0"])
+    with pytest.raises(DeviceUnavailable, match=f"detect socket path {tmp_path}/var/run/pcc"):
+        checked.pre_start_container(request)
+    (tmp_path / "var" / "run" / "pcc").mkdir(parents=True)
+    checked.pre_start_container(request)

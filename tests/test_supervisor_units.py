@@ -16,6 +16,8 @@ from asyncinotify import Event, Mask
 from pcc_plugin import bridge
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.devices import DeviceFeed
+from pcc_plugin.resources import ResourceSpec
+from pcc_plugin.stats import ResourceStats
 from pcc_plugin.supervisor import (
     Backoff,
     KubeletStream,
@@ -64,7 +66,10 @@ async def test_register_retries_with_backoff_and_logs_each_reason_once(
     with bind_socket(tmp_path / "kubelet.sock"):
         backoff = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
         expected = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
-        await register_with_kubelet(tmp_path, REQUEST, fake_register, backoff)
+        stats = ResourceStats()
+        await register_with_kubelet(tmp_path, REQUEST, stats, "start", fake_register, backoff)
+    assert stats.registered
+    assert stats.registrations == {"start": 1}
 
     gaps = [later - earlier for earlier, later in itertools.pairwise(calls)]
     assert gaps == pytest.approx([expected.next_delay() for _ in range(3)])
@@ -83,14 +88,18 @@ async def test_register_waits_without_polling_while_kubelet_sock_is_missing(
         raise AssertionError("registered without kubelet.sock")
 
     with trio.move_on_after(3600) as waited:
-        await register_with_kubelet(tmp_path, REQUEST, must_not_be_called)
+        stats = ResourceStats()
+        await register_with_kubelet(tmp_path, REQUEST, stats, "start", must_not_be_called)
     assert waited.cancelled_caught
+    assert (
+        stats.not_ready_reason() == f"waiting for kubelet: {tmp_path}/kubelet.sock does not exist"
+    )
 
 
 async def test_stream_end_restarts_after_a_short_jitter(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    stream = KubeletStream()
+    stream = KubeletStream(ResourceStats())
     with trio.CancelScope() as scope:
         restart = Restart(scope)
         async with trio.open_nursery() as nursery:
@@ -105,7 +114,7 @@ async def test_stream_end_restarts_after_a_short_jitter(
 
 
 async def test_only_the_first_stream_is_kubelets() -> None:
-    stream = KubeletStream()
+    stream = KubeletStream(ResourceStats())
     feed = DeviceFeed(b"devices")
     sent: list[bytes] = []
 
@@ -124,20 +133,24 @@ async def test_only_the_first_stream_is_kubelets() -> None:
         nursery.cancel_scope.cancel()
     assert stream.ended.is_set()
 
-    later = KubeletStream(claimed=True)
+    later = KubeletStream(ResourceStats(), claimed=True)
     with trio.move_on_after(0):
         await later.serve(feed, send)
     assert not later.ended.is_set()
 
 
+SPEC = ResourceSpec(name="example.com/pcc", count=1, socket_prefix="pcc")
+
+
 def test_socket_names_are_fresh_and_recognised() -> None:
-    names = SocketNames()
+    names = SocketNames("pcc")
     first, second = next(names), next(names)
     assert first != second
-    assert SocketNames.is_ours(first)
-    assert SocketNames.is_ours(second)
-    assert not SocketNames.is_ours("kubelet.sock")
-    assert not SocketNames.is_ours("pcc-other.sock")
+    assert SPEC.is_own_socket(first)
+    assert SPEC.is_own_socket(second)
+    assert not SPEC.is_own_socket("kubelet.sock")
+    assert not SPEC.is_own_socket("pcc-other.sock")
+    assert not SPEC.is_own_socket(next(SocketNames("disk")))
 
 
 def test_stale_sockets_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
@@ -147,7 +160,7 @@ def test_stale_sockets_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
     live.listen()
     with bind_socket(tmp_path / "nvidia.sock"), live:
         (tmp_path / "pcc-3-cc-0.sock").write_text("not a socket")
-        remove_stale_sockets(tmp_path, keep="pcc-9-ff-0.sock")
+        remove_stale_sockets(tmp_path, SPEC, keep="pcc-9-ff-0.sock")
         assert sorted(p.name for p in tmp_path.iterdir()) == [
             "nvidia.sock",
             "pcc-2-bb-0.sock",

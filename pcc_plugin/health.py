@@ -1,0 +1,78 @@
+"""Event-driven device health: inotify on the parent directories, no polling.
+
+The device node and the PCC directory are watched through their parents
+because a bind mount of a single file or directory pins the old inode and
+never shows a re-created one; the parents are mounted from the host instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import trio
+from asyncinotify import Mask
+
+from pcc_plugin.devices import DevicePlugin
+from pcc_plugin.resources import health_problem, watched_paths
+from pcc_plugin.watch import next_events, open_inotify
+
+log = logging.getLogger(__name__)
+
+_CHANGES = (
+    Mask.CREATE
+    | Mask.DELETE
+    | Mask.MOVED_FROM
+    | Mask.MOVED_TO
+    | Mask.ATTRIB
+    | Mask.DELETE_SELF
+    | Mask.MOVE_SELF
+    | Mask.ONLYDIR
+)
+_ANY_NAME = Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED | Mask.Q_OVERFLOW | Mask.UNMOUNT
+
+
+def _nearest_existing_dir(path: Path) -> Path:
+    while not path.is_dir():
+        path = path.parent
+    return path
+
+
+async def watch_health(
+    plugin: DevicePlugin,
+    host_root: str,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep `plugin`'s health in step with its device nodes and mount sources.
+
+    Started after the first look. Each round watches the nearest existing
+    directory above every path first and looks second, so a change between
+    two rounds is never missed.
+    """
+    paths = [Path(path) for path in watched_paths(plugin.spec, host_root)]
+    started = False
+    while True:
+        with open_inotify() as inotify:
+            # The entry under each watched directory that leads to one of our paths.
+            relevant: set[str] = set()
+            try:
+                for path in paths:
+                    directory = _nearest_existing_dir(path.parent)
+                    relevant.add(path.relative_to(directory).parts[0])
+                    inotify.add_watch(directory, _CHANGES)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # removed between the look and the watch: look again
+            plugin.set_problem(health_problem(plugin.spec, host_root))
+            if not started:
+                task_status.started()
+                started = True
+            while True:
+                events = await next_events(inotify)
+                # Other entries of /dev come and go all the time: only ours matter.
+                if any(
+                    event.mask & _ANY_NAME
+                    or (event.name is not None and str(event.name) in relevant)
+                    for event in events
+                ):
+                    break

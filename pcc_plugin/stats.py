@@ -1,0 +1,34 @@
+"""What the daemon has done, counted in plain Python; the metrics endpoint reads it.
+
+Kept free of any metrics library so that counting costs nothing when
+`--metrics-bind-address` is empty and the library is never imported.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+
+
+@attrs.define
+class ResourceStats:
+    # Successful registrations, by what made the plugin register.
+    registrations: collections.Counter[str] = attrs.Factory(collections.Counter)
+    kubelet_restarts: int = 0
+    # Allocate answers by result: ok, invalid, unavailable.
+    allocations: collections.Counter[str] = attrs.Factory(collections.Counter)
+    healthy: bool = True
+    devices: int = 0
+    streams_open: int = 0
+    registered: bool = False
+    kubelet_stream_open: bool = False
+    # Why the resource is not ready, while it is not.
+    waiting_for: str = "not registered with kubelet yet"
+
+    def not_ready_reason(self) -> str | None:
+        if not self.registered:
+            return self.waiting_for
+        if not self.kubelet_stream_open:
+            return "registered, but kubelet's ListAndWatch stream is not open"
+        return None
