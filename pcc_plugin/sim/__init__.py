@@ -1,0 +1,17 @@
+"""A simulated kubelet on grpcio, a fake node and a daemon runner, for tests and the demo."""
+
+from pcc_plugin.sim.blocking import run_blocking
+from pcc_plugin.sim.daemon import Daemon, StartDaemon
+from pcc_plugin.sim.kubelet import NoPluginError, PluginOptions, Registration, SimKubelet
+from pcc_plugin.sim.node import FakeNode
+
+__all__ = [
+    "Daemon",
+    "FakeNode",
+    "NoPluginError",
+    "PluginOptions",
+    "Registration",
+    "SimKubelet",
+    "StartDaemon",
+    "run_blocking",
+]

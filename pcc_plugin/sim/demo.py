@@ -1,0 +1,144 @@
+"""The daemon on a fake node with a simulated kubelet, told as a short story.
+
+python -m pcc_plugin.sim.demo
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
+from pcc_plugin.sim.daemon import Daemon
+from pcc_plugin.sim.kubelet import HEALTHY, NoPluginError, SimKubelet
+from pcc_plugin.sim.node import FakeNode
+
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
+REGISTERED = "Registered device plugin with Kubelet"
+TIMEOUT = 10.0
+
+
+class Story:
+    def __init__(self) -> None:
+        self.step = 0
+        self.started = time.monotonic()
+
+    def tell(self, text: str) -> None:
+        self.step += 1
+        print(f"{self.step}. {text}")
+
+    def lap(self) -> int:
+        """Milliseconds since the previous lap."""
+        now = time.monotonic()
+        elapsed, self.started = now - self.started, now
+        return round(elapsed * 1000)
+
+
+def what_the_container_gets(response: pb.AllocateResponse) -> Iterator[str]:
+    container = response.container_responses[0]
+    for device in container.devices:
+        yield (
+            f"device {device.container_path} (host {device.host_path}, "
+            f"permissions {device.permissions})"
+        )
+    for mount in container.mounts:
+        access = "read-only" if mount.read_only else "read-write"
+        yield f"mount {mount.container_path} (host {mount.host_path}, {access})"
+    for name, value in sorted(container.envs.items()):
+        yield f"environment {name}={value}"
+    for name, value in sorted(container.annotations.items()):
+        yield f"annotation {name}={value}"
+    for cdi_device in container.cdi_devices:
+        yield f"CDI device {cdi_device.name}"
+
+
+def registered(kubelet: SimKubelet, times: int) -> bool:
+    accepted = sum(registration.accepted for registration in kubelet.registrations)
+    return accepted >= times and kubelet.stream_open(RESOURCE)
+
+
+class Demo:
+    def __init__(self) -> None:
+        self.story = Story()
+        self.node = FakeNode.create()
+        self.kubelet = SimKubelet(self.node.plugin_dir)
+        self.daemon: Daemon | None = None
+
+    def run(self) -> int:
+        story, node, kubelet = self.story, self.node, self.kubelet
+        story.tell(
+            f"Fake node in {node.root}: /dev/sev-guest links to /dev/null (a character device), "
+            "/var/run/pcc is a directory."
+        )
+        story.lap()
+        kubelet.start()
+        story.tell(f"The simulated kubelet serves {kubelet.socket_path} ({story.lap()} ms).")
+
+        self.daemon = daemon = Daemon.spawn_plugin(
+            node.daemon_args(verbosity=1), node.root / "daemon.log"
+        )
+        # The log first: waiting on it fails at once if the daemon exits.
+        daemon.wait_for_log(REGISTERED, TIMEOUT)
+        kubelet.wait_for(lambda: registered(kubelet, 1), TIMEOUT)
+        registration = kubelet.registrations[-1]
+        devices = kubelet.devices(RESOURCE)
+        healthy = sum(health == HEALTHY for health in devices.values())
+        story.tell(
+            f"The daemon (pid {daemon.pid}) registered {registration.resource_name} "
+            f"at endpoint {registration.endpoint} {story.lap()} ms after it was started, "
+            f"and lists {len(devices)} devices, {healthy} healthy."
+        )
+        self.allocate_one()
+
+        kubelet.restart()
+        story.tell(f"Kubelet restarted, wiping every socket in its directory ({story.lap()} ms).")
+        daemon.wait_for_log(REGISTERED, TIMEOUT, count=2)
+        kubelet.wait_for(lambda: registered(kubelet, 2), TIMEOUT)
+        story.tell(f"The daemon noticed and registered again after {story.lap()} ms.")
+        self.allocate_one()
+
+        returncode = daemon.terminate(signal.SIGTERM, TIMEOUT)
+        story.tell(
+            f"SIGTERM sent: the daemon exited with code {returncode} after {story.lap()} ms."
+        )
+        return 0 if returncode == 0 else 1
+
+    def allocate_one(self) -> None:
+        device_id = next(iter(self.kubelet.devices(RESOURCE)))
+        self.story.lap()
+        response = self.kubelet.allocate(RESOURCE, [[device_id]])
+        self.story.tell(
+            f"Allocate of 1 device ({device_id}) answered in {self.story.lap()} ms. "
+            "The container gets:"
+        )
+        for line in what_the_container_gets(response):
+            print(f"     {line}")
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            self.daemon.close()
+        self.kubelet.stop()
+        self.node.remove()
+
+
+def main() -> None:
+    print("pcc-device-plugin demo: the real daemon, a simulated kubelet, a fake node\n")
+    demo = Demo()
+    try:
+        status = demo.run()
+    except (TimeoutError, RuntimeError, NoPluginError, grpc.RpcError) as error:
+        print(f"\nStep {demo.story.step + 1} failed: {error}")
+        if demo.daemon is not None:
+            print(f"The daemon's log:\n{demo.daemon.log_text()}")
+        status = 1
+    finally:
+        demo.close()
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,702 @@
+"""A simulated kubelet: the device manager's side of the v1beta1 device plugin API.
+
+It runs on grpcio, a gRPC and protobuf stack independent of the daemon's, so the tests check the
+daemon's wire format rather than agreement between two copies of the same generated code. It is
+thread-based (no grpc.aio), so trio tests can drive it through worker threads.
+
+It behaves like kubelet's device manager (see kubelet-protocol.md): it wipes the sockets in its
+directory at start, validates Register like kubelet and answers failures with status UNKNOWN,
+dials the plugin and reads its options (inside Register, or after it with ``legacy=True``), keeps
+the latest ListAndWatch list per resource, and when a stream ends marks the devices Unhealthy and
+never redials.
+
+A unix socket path is limited to 107 bytes (``sun_path`` holds 108 with the NUL), so the plugin
+directory must be short: use ``tempfile.mkdtemp(prefix="pcc-", dir="/tmp")``, not pytest's
+``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Protocol, Self, TypeVar
+
+import attrs
+import grpc
+
+from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+MAX_SOCKET_PATH_BYTES = 107
+DIAL_TIMEOUT = 10.0
+PRE_START_TIMEOUT = 30.0
+
+# Written out here, not taken from generated code, so a wrong package or service name in the
+# daemon's proto fails against the simulator as it would against a real kubelet.
+REGISTER = "/v1beta1.Registration/Register"
+GET_DEVICE_PLUGIN_OPTIONS = "/v1beta1.DevicePlugin/GetDevicePluginOptions"
+LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
+GET_PREFERRED_ALLOCATION = "/v1beta1.DevicePlugin/GetPreferredAllocation"
+ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
+PRE_START_CONTAINER = "/v1beta1.DevicePlugin/PreStartContainer"
+
+KeyBy = Literal["endpoint", "resource"]
+
+_DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
+_QUALIFIED_NAME_PART = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
+def is_qualified_name(value: str) -> bool:
+    """Kubernetes' IsQualifiedName: an optional DNS-1123 subdomain prefix and a short name."""
+    parts = value.split("/")
+    if len(parts) > 2:
+        return False
+    if len(parts) == 2:
+        prefix = parts[0]
+        if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix):
+            return False
+    name = parts[-1]
+    return len(name) <= 63 and _QUALIFIED_NAME_PART.fullmatch(name) is not None
+
+
+def is_extended_resource_name(name: str) -> bool:
+    """Kubernetes' IsExtendedResourceName, the check kubelet applies to RegisterRequest."""
+    if "/" not in name or "kubernetes.io/" in name or name.startswith("requests."):
+        return False
+    return is_qualified_name(f"requests.{name}")
+
+
+def remove_sockets(directory: Path) -> None:
+    """What kubelet does at start: delete socket files, keep regular files and subdirectories.
+
+    Like kubelet, it follows symlinks to decide (and then removes the link).
+    """
+    for entry in directory.iterdir():
+        try:
+            if stat.S_ISSOCK(entry.stat().st_mode):
+                entry.unlink()
+        except FileNotFoundError:
+            continue
+
+
+class NoPluginError(LookupError):
+    """No connected device plugin serves the resource."""
+
+
+class _Message(Protocol):
+    def SerializeToString(self) -> bytes: ...
+
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+
+
+@attrs.frozen
+class PluginOptions:
+    pre_start_required: bool
+    get_preferred_allocation_available: bool
+
+
+@attrs.frozen
+class Registration:
+    """One answered Register call, as the simulator saw it."""
+
+    version: str
+    endpoint: str
+    resource_name: str
+    accepted: bool
+    # Why Register failed, or (legacy mode) why the dial after an accepted Register failed.
+    error: str | None
+    # Read back from the plugin with GetDevicePluginOptions; None until read, or if it failed.
+    options: PluginOptions | None
+    received_at: float
+
+
+@attrs.define(eq=False)
+class _PluginClient:
+    """Kubelet's connection to one registered plugin socket."""
+
+    resource: str
+    endpoint: str
+    channel: Any
+    list_and_watch: Any = None
+    thread: threading.Thread | None = None
+    streaming: bool = False
+    connected: bool = True
+    # Set when the simulated kubelet itself goes down: the stream's end is then not "unexpected".
+    kubelet_stopping: bool = False
+
+
+@attrs.define
+class _ResourceState:
+    devices: dict[str, str] = attrs.Factory(dict)
+    messages: int = 0
+    active: _PluginClient | None = None
+
+
+class _DialError(Exception):
+    pass
+
+
+def _as_is(data: bytes) -> bytes:
+    return data
+
+
+def _serialize(message: _Message) -> bytes:
+    return message.SerializeToString()
+
+
+class SimKubelet:
+    """Serves ``<plugin_dir>/kubelet.sock`` and talks to the plugins that register there.
+
+    ``legacy``: answer Register first and dial the plugin afterwards, like older kubelets.
+    ``key_by``: ``"endpoint"`` (recent kubelets) lets an older registration's stream of a resource
+    end without touching the newer one; ``"resource"`` (older kubelets) disconnects the newest
+    client of a resource whenever an older stream of that resource ends.
+    ``dial_timeout`` shortens kubelet's 10 s blocking dial for tests of failed dials.
+
+    Every observation method is thread-safe; :meth:`wait_for` blocks until a predicate over them
+    holds, woken on each state change.
+    """
+
+    def __init__(
+        self,
+        plugin_dir: Path,
+        *,
+        legacy: bool = False,
+        key_by: KeyBy = "endpoint",
+        dial_timeout: float = DIAL_TIMEOUT,
+    ) -> None:
+        self.plugin_dir = Path(plugin_dir).absolute()
+        self.socket_path = self.plugin_dir / KUBELET_SOCKET
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise ValueError(
+                f"{self.socket_path} is longer than the {MAX_SOCKET_PATH_BYTES} bytes a unix "
+                "socket path may have; use a short directory such as one from "
+                'tempfile.mkdtemp(prefix="pcc-", dir="/tmp")'
+            )
+        self.legacy = legacy
+        self.key_by = key_by
+        self.dial_timeout = dial_timeout
+        # Reentrant so that wait_for predicates may call the observation methods.
+        self._changed = threading.Condition(threading.RLock())
+        self._server: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+        # Bumped by every stop, so work begun for an earlier kubelet instance is discarded.
+        self._generation = 0
+        self._register_calls = 0
+        self._registrations: list[Registration] = []
+        self._events: list[str] = []
+        self._resources: dict[str, _ResourceState] = {}
+        self._clients: set[_PluginClient] = set()
+        self._pending_dials: set[Any] = set()
+        self._planned_failures: collections.deque[str] = collections.deque()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # Lifecycle
+
+    def start(self) -> None:
+        """Make the directory (0750), delete its sockets, and serve Registration."""
+        with self._changed:
+            if self._server is not None:
+                raise RuntimeError("the simulated kubelet is already running")
+        if not self.plugin_dir.exists():
+            self.plugin_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+            # mkdir's mode passes through the umask; kubelet's directory is 0750.
+            self.plugin_dir.chmod(0o750)
+        remove_sockets(self.plugin_dir)
+        executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sim-kubelet")
+        register = grpc.unary_unary_rpc_method_handler(
+            self._register,
+            request_deserializer=pb.RegisterRequest.FromString,
+            response_serializer=_serialize,
+        )
+        server = grpc.server(
+            executor,
+            handlers=[
+                grpc.method_handlers_generic_handler("v1beta1.Registration", {"Register": register})
+            ],
+        )
+        server.add_insecure_port(f"unix:{self.socket_path}")
+        server.start()
+        with self._changed:
+            self._server = server
+            self._executor = executor
+            self._record(f"kubelet serving Registration on {self.socket_path}")
+
+    def stop(self) -> None:
+        """Stop serving, close every connection to plugins (their streams end), remove kubelet.sock.
+
+        Devices of every resource become Unhealthy, as for endpoints kubelet restores from its
+        checkpoint: they stay so until their plugins register again.
+        """
+        with self._changed:
+            server, executor = self._server, self._executor
+            if server is None or executor is None:
+                return
+            self._server = self._executor = None
+            self._generation += 1
+            clients = list(self._clients)
+            for client in clients:
+                client.kubelet_stopping = True
+                client.connected = False
+            for dial in self._pending_dials:
+                dial.cancel()
+            for state in self._resources.values():
+                state.devices = dict.fromkeys(state.devices, UNHEALTHY)
+        server.stop(grace=0).wait()
+        executor.shutdown(wait=False, cancel_futures=True)
+        for client in clients:
+            client.channel.close()
+        for client in clients:
+            if client.thread is not None:
+                client.thread.join(timeout=5)
+        self.socket_path.unlink(missing_ok=True)
+        with self._changed:
+            self._record("kubelet stopped")
+
+    def restart(self) -> None:
+        """Stop, then start afresh: every socket in the directory, the plugins' too, is deleted."""
+        self.stop()
+        self.start()
+
+    @property
+    def running(self) -> bool:
+        with self._changed:
+            return self._server is not None
+
+    # Fault hooks
+
+    def fail_next_registers(self, messages: Iterable[str]) -> None:
+        """Fail the next Register calls with UNKNOWN and these messages, without dialling."""
+        with self._changed:
+            self._planned_failures.extend(messages)
+
+    def drop_stream(self, resource: str) -> None:
+        """End the active ListAndWatch stream of ``resource`` while the kubelet stays up."""
+        with self._changed:
+            client = self._active_client(resource)
+            self._record(f"dropping the ListAndWatch stream of {resource}")
+        client.list_and_watch.cancel()
+
+    # Observation
+
+    @property
+    def register_calls(self) -> int:
+        """Register calls received, including those still being answered."""
+        with self._changed:
+            return self._register_calls
+
+    @property
+    def registrations(self) -> list[Registration]:
+        with self._changed:
+            return list(self._registrations)
+
+    @property
+    def events(self) -> list[str]:
+        """What happened, one plain line each, as also logged."""
+        with self._changed:
+            return list(self._events)
+
+    def devices(self, resource: str) -> dict[str, str]:
+        """The latest device list of ``resource``: device ID to health."""
+        with self._changed:
+            state = self._resources.get(resource)
+            return dict(state.devices) if state else {}
+
+    def stream_open(self, resource: str) -> bool:
+        """The active plugin of ``resource`` has sent a list and its stream has not ended."""
+        with self._changed:
+            state = self._resources.get(resource)
+            return state is not None and state.active is not None and state.active.streaming
+
+    def messages(self, resource: str) -> int:
+        """ListAndWatch messages received from the active plugins of ``resource``."""
+        with self._changed:
+            state = self._resources.get(resource)
+            return state.messages if state else 0
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Block until ``predicate()`` holds; raise TimeoutError describing the state otherwise."""
+        with self._changed:
+            if self._changed.wait_for(predicate, timeout):
+                return
+            raise TimeoutError(
+                f"{getattr(predicate, '__qualname__', predicate)} still false after {timeout} s; "
+                f"{self._describe()}"
+            )
+
+    # Calls to plugins, as kubelet makes them
+
+    def get_options(self, resource: str, timeout: float = 5.0) -> pb.DevicePluginOptions:
+        response: pb.DevicePluginOptions = self._call(
+            resource,
+            GET_DEVICE_PLUGIN_OPTIONS,
+            pb.Empty(),
+            _serialize,
+            pb.DevicePluginOptions.FromString,
+            timeout,
+        )
+        return response
+
+    def allocate(
+        self, resource: str, container_requests: list[list[str]], timeout: float = 5.0
+    ) -> pb.AllocateResponse:
+        """Allocate; kubelet itself always sends exactly one container request."""
+        request = pb.AllocateRequest(
+            container_requests=[
+                pb.ContainerAllocateRequest(devices_ids=ids) for ids in container_requests
+            ]
+        )
+        response: pb.AllocateResponse = self._call(
+            resource, ALLOCATE, request, _serialize, pb.AllocateResponse.FromString, timeout
+        )
+        return response
+
+    def get_preferred_allocation(
+        self,
+        resource: str,
+        available: list[str],
+        must_include: list[str],
+        allocation_size: int,
+        timeout: float = 5.0,
+    ) -> pb.PreferredAllocationResponse:
+        request = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=available,
+                    must_include_deviceIDs=must_include,
+                    allocation_size=allocation_size,
+                )
+            ]
+        )
+        response: pb.PreferredAllocationResponse = self._call(
+            resource,
+            GET_PREFERRED_ALLOCATION,
+            request,
+            _serialize,
+            pb.PreferredAllocationResponse.FromString,
+            timeout,
+        )
+        return response
+
+    def pre_start_container(
+        self, resource: str, device_ids: list[str], timeout: float = PRE_START_TIMEOUT
+    ) -> pb.PreStartContainerResponse:
+        request = pb.PreStartContainerRequest(devices_ids=device_ids)
+        response: pb.PreStartContainerResponse = self._call(
+            resource,
+            PRE_START_CONTAINER,
+            request,
+            _serialize,
+            pb.PreStartContainerResponse.FromString,
+            timeout,
+        )
+        return response
+
+    def call_raw(
+        self, target: str | Path, method_path: str, payload: bytes, timeout: float = 5.0
+    ) -> tuple[grpc.StatusCode, str]:
+        """Send ``payload`` as is to ``method_path``; return the status code and its details.
+
+        ``target`` is a resource name (its active plugin) or a socket path (a Path, or a string
+        starting with "/"), which need not be registered.
+        """
+        try:
+            if isinstance(target, Path) or target.startswith("/"):
+                with self._dial_now(Path(target)) as channel:
+                    channel.unary_unary(
+                        method_path, request_serializer=_as_is, response_deserializer=_as_is
+                    )(payload, timeout=timeout)
+            else:
+                self._call(target, method_path, payload, _as_is, _as_is, timeout)
+        except grpc.RpcError as rpc_error:
+            return rpc_error.code(), rpc_error.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    # Registration service
+
+    def _register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:
+        received_at = time.monotonic()
+        with self._changed:
+            self._register_calls += 1
+            generation = self._generation
+            planned_failure = self._planned_failures.popleft() if self._planned_failures else None
+            self._changed.notify_all()
+        error = planned_failure or self._validate(request)
+        client: _PluginClient | None = None
+        options: PluginOptions | None = None
+        if error is None and not self.legacy:
+            try:
+                client, options = self._connect(request)
+            except _DialError as dial_error:
+                error = str(dial_error)
+        with self._changed:
+            if error is None and generation != self._generation:
+                error = "kubelet is shutting down"
+            self._registrations.append(
+                Registration(
+                    version=request.version,
+                    endpoint=request.endpoint,
+                    resource_name=request.resource_name,
+                    accepted=error is None,
+                    error=error,
+                    options=options,
+                    received_at=received_at,
+                )
+            )
+            if error is not None:
+                self._record(f"rejected Register of {request.resource_name!r}: {error}")
+            else:
+                self._record(
+                    f"registered device plugin {request.resource_name} "
+                    f"at endpoint {request.endpoint}"
+                )
+                if client is not None:
+                    self._attach(client)
+                else:
+                    self._connect_later(request, len(self._registrations) - 1, generation)
+        if error is not None:
+            if client is not None:
+                client.channel.close()
+            # Kubelet returns plain Go errors, which reach the plugin as UNKNOWN.
+            context.abort(grpc.StatusCode.UNKNOWN, error)
+        return pb.Empty()
+
+    def _validate(self, request: pb.RegisterRequest) -> str | None:
+        if request.version != API_VERSION:
+            return (
+                f'requested API version "{request.version}" is not supported by kubelet. '
+                f'Supported versions are ["{API_VERSION}"]'
+            )
+        if not is_extended_resource_name(request.resource_name):
+            return f'the ResourceName "{request.resource_name}" is invalid'
+        if (
+            request.endpoint in ("", ".", "..")
+            or "/" in request.endpoint
+            or "\0" in request.endpoint
+        ):
+            return f'the endpoint "{request.endpoint}" is not a file name in {self.plugin_dir}'
+        return None
+
+    def _connect(self, request: pb.RegisterRequest) -> tuple[_PluginClient, PluginOptions]:
+        """Dial the plugin and read its options, as kubelet does before using a plugin.
+
+        A wait-for-ready GetDevicePluginOptions is the blocking dial, so dial and options share
+        one deadline. grpcio's channel_ready_future would leave a connectivity poller behind
+        that makes closing the channel take up to 200 ms, and restarts slow with it.
+        """
+        socket_path = self.plugin_dir / request.endpoint
+        channel = self._dial_now(socket_path)
+        reply_future = channel.unary_unary(
+            GET_DEVICE_PLUGIN_OPTIONS,
+            request_serializer=_serialize,
+            response_deserializer=pb.DevicePluginOptions.FromString,
+        ).future(pb.Empty(), timeout=self.dial_timeout, wait_for_ready=True)
+        with self._changed:
+            self._pending_dials.add(reply_future)
+        try:
+            reply = reply_future.result()
+        except grpc.FutureCancelledError:
+            channel.close()
+            raise _DialError("failed to dial device plugin: kubelet is shutting down") from None
+        except grpc.RpcError as rpc_error:
+            channel.close()
+            if rpc_error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise _DialError(
+                    f"failed to dial device plugin: {socket_path} did not answer "
+                    f"within {self.dial_timeout} s"
+                ) from None
+            status = f"{rpc_error.code().name}: {rpc_error.details()}"
+            raise _DialError(f"failed to get device plugin options: {status}") from None
+        finally:
+            with self._changed:
+                self._pending_dials.discard(reply_future)
+        options = PluginOptions(
+            pre_start_required=reply.pre_start_required,
+            get_preferred_allocation_available=reply.get_preferred_allocation_available,
+        )
+        return _PluginClient(request.resource_name, request.endpoint, channel), options
+
+    @staticmethod
+    def _dial_now(socket_path: Path) -> Any:
+        return grpc.insecure_channel(
+            f"unix:{socket_path}", options=[("grpc.default_authority", "localhost")]
+        )
+
+    def _connect_later(self, request: pb.RegisterRequest, index: int, generation: int) -> None:
+        """Legacy kubelets: dial and read options in the background after answering Register."""
+
+        def connect() -> None:
+            try:
+                client, options = self._connect(request)
+            except _DialError as dial_error:
+                with self._changed:
+                    self._registrations[index] = attrs.evolve(
+                        self._registrations[index], error=str(dial_error)
+                    )
+                    self._record(f"connecting to {request.resource_name} failed: {dial_error}")
+                return
+            with self._changed:
+                if generation == self._generation:
+                    self._registrations[index] = attrs.evolve(
+                        self._registrations[index], options=options
+                    )
+                    self._attach(client)
+                    return
+            client.channel.close()
+
+        threading.Thread(target=connect, name="sim-kubelet-connect", daemon=True).start()
+
+    # ListAndWatch
+
+    def _attach(self, client: _PluginClient) -> None:
+        """Make ``client`` the active plugin of its resource and start its ListAndWatch stream."""
+        self._resources.setdefault(client.resource, _ResourceState()).active = client
+        self._clients.add(client)
+        client.list_and_watch = client.channel.unary_stream(
+            LIST_AND_WATCH,
+            request_serializer=_serialize,
+            response_deserializer=pb.ListAndWatchResponse.FromString,
+        )(pb.Empty())
+        client.thread = threading.Thread(
+            target=self._watch,
+            args=(client,),
+            name=f"sim-kubelet-law-{client.endpoint}",
+            daemon=True,
+        )
+        client.thread.start()
+        self._changed.notify_all()
+
+    def _watch(self, client: _PluginClient) -> None:
+        reason = "the plugin closed the stream"
+        try:
+            for response in client.list_and_watch:
+                self._receive(client, response)
+        except grpc.RpcError as rpc_error:
+            reason = f"{rpc_error.code().name}: {rpc_error.details()}"
+        # Kubelet closes its connection once the stream is over; it never redials.
+        client.channel.close()
+        self._stream_ended(client, reason)
+
+    def _receive(self, client: _PluginClient, response: pb.ListAndWatchResponse) -> None:
+        with self._changed:
+            if not client.streaming:
+                client.streaming = True
+                self._record(
+                    f"ListAndWatch stream opened for {client.resource} ({client.endpoint})"
+                )
+            state = self._resources[client.resource]
+            if state.active is not client:
+                self._record(f"ignored a device list from a replaced plugin of {client.resource}")
+                return
+            state.devices = {device.ID: device.health for device in response.devices}
+            state.messages += 1
+            healthy = sum(health == HEALTHY for health in state.devices.values())
+            self._record(
+                f"received {len(state.devices)} devices for {client.resource} ({healthy} healthy)"
+            )
+
+    def _stream_ended(self, client: _PluginClient, reason: str) -> None:
+        newest_to_disconnect: _PluginClient | None = None
+        with self._changed:
+            client.streaming = False
+            client.connected = False
+            self._clients.discard(client)
+            if client.kubelet_stopping:
+                self._changed.notify_all()
+                return
+            self._record(
+                f"ListAndWatch ended unexpectedly for device plugin {client.resource} "
+                f"({client.endpoint}): {reason}"
+            )
+            state = self._resources[client.resource]
+            newest = state.active
+            if newest is client or self.key_by == "resource":
+                state.devices = dict.fromkeys(state.devices, UNHEALTHY)
+            if (
+                self.key_by == "resource"
+                and newest is not None
+                and newest is not client
+                and newest.connected
+            ):
+                newest.connected = False
+                newest_to_disconnect = newest
+                self._record(
+                    f"disconnecting {newest.endpoint}, the registered plugin of {client.resource}, "
+                    "because an older stream of that resource ended"
+                )
+        if newest_to_disconnect is not None:
+            newest_to_disconnect.channel.close()
+
+    def _active_client(self, resource: str) -> _PluginClient:
+        with self._changed:
+            state = self._resources.get(resource)
+            if state is None or state.active is None or not state.active.connected:
+                raise NoPluginError(f"no connected device plugin for {resource}")
+            return state.active
+
+    def _call(
+        self,
+        resource: str,
+        method_path: str,
+        request: _Request,
+        serialize: Callable[[_Request], bytes],
+        parse: Callable[[bytes], _Response],
+        timeout: float,
+    ) -> _Response:
+        channel = self._active_client(resource).channel
+        method = channel.unary_unary(
+            method_path, request_serializer=serialize, response_deserializer=parse
+        )
+        try:
+            response: _Response = method(request, timeout=timeout)
+        except ValueError as closed:
+            # The stream ended and kubelet closed the channel between the lookup and the call.
+            raise NoPluginError(f"the device plugin for {resource} just disconnected") from closed
+        return response
+
+    def _record(self, event: str) -> None:
+        """Log an event and wake the waiters; the caller holds the lock."""
+        self._events.append(event)
+        log.info("%s", event)
+        self._changed.notify_all()
+
+    def _describe(self) -> str:
+        """The state in one line, for timeouts; the caller holds the lock."""
+        resources = "; ".join(
+            f"{name}: stream {'open' if self.stream_open(name) else 'closed'}, "
+            f"{sum(h == HEALTHY for h in state.devices.values())}/{len(state.devices)} healthy, "
+            f"{state.messages} messages"
+            for name, state in self._resources.items()
+        )
+        return (
+            f"running={self._server is not None}, {self._register_calls} Register calls, "
+            f"resources: {resources or 'none'}; last events: {self._events[-5:]}"
+        )

@@ -1,0 +1,61 @@
+"""A fake SEV-SNP node in a short temporary directory, for tests and the demo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import attrs
+
+NODE_DEVICE = "/dev/sev-guest"
+NODE_PCC_DIR = "/var/run/pcc"
+
+
+@attrs.frozen
+class FakeNode:
+    """``host_root`` stands for the host's ``/``; ``plugin_dir`` is left for kubelet to create."""
+
+    root: Path
+    host_root: Path
+    device: Path
+    pcc_dir: Path
+    plugin_dir: Path
+
+    @classmethod
+    def create(cls) -> FakeNode:
+        # Under /tmp, not pytest's long tmp_path: unix socket paths must fit in 107 bytes.
+        root = Path(tempfile.mkdtemp(prefix="pcc-", dir="/tmp"))
+        host_root = root / "host"
+        node = cls(
+            root=root,
+            host_root=host_root,
+            device=host_root / NODE_DEVICE.lstrip("/"),
+            pcc_dir=host_root / NODE_PCC_DIR.lstrip("/"),
+            plugin_dir=root / "device-plugins",
+        )
+        node.device.parent.mkdir(parents=True)
+        # A symlink to /dev/null is a character device to stat(), like the real sev-guest.
+        os.symlink("/dev/null", node.device)
+        node.pcc_dir.mkdir(parents=True)
+        return node
+
+    def daemon_args(self, verbosity: int = 2) -> list[str]:
+        """The daemon's flags for this node; device paths are as seen from the host root."""
+        return [
+            "--host-root",
+            str(self.host_root),
+            "--pcc-device",
+            NODE_DEVICE,
+            "--pcc-socket-path",
+            NODE_PCC_DIR,
+            "--device-plugin-path",
+            str(self.plugin_dir),
+            # Loopback and a free port: tests run many daemons at once.
+            "--metrics-bind-address=127.0.0.1:0",
+            f"--v={verbosity}",
+        ]
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

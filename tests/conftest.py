@@ -1,0 +1,93 @@
+"""Shared fixtures: a fake node, a simulated kubelet, and the daemon as a child process.
+
+``fake_node``
+    A :class:`~pcc_plugin.sim.FakeNode` in a short directory under /tmp (unix socket paths must
+    fit in 107 bytes, pytest's ``tmp_path`` often does not): ``root``, ``host_root``, ``device``
+    (a symlink to /dev/null, so a character device), ``pcc_dir``, and ``plugin_dir`` (not created:
+    kubelet creates it). ``fake_node.daemon_args()`` gives the daemon's flags for it.
+
+``kubelet``
+    A started :class:`~pcc_plugin.sim.SimKubelet` on ``fake_node.plugin_dir``, stopped at
+    teardown. By default a current kubelet; ask for another kind with indirect parametrisation::
+
+        @pytest.mark.parametrize("kubelet", ["current", "legacy"], indirect=True)
+
+    Kinds: ``"current"`` (options read inside Register, clients kept per endpoint),
+    ``"resource-keyed"`` (options inside Register, clients kept per resource name) and
+    ``"legacy"`` (Register answered before the dial, clients kept per resource name).
+
+``any_kubelet``
+    The same fixture parametrised over every kind: for behaviour that must hold against all
+    kubelets. Use either ``kubelet`` or ``any_kubelet`` in a test, not both (one directory).
+
+``start_daemon``
+    ``start_daemon(*args, env=None) -> Daemon`` runs ``python -m pcc_plugin *args`` in its own
+    session, with ``env`` merged into the environment and its output in a log file; the whole
+    process group is killed at teardown, and the log printed (pytest shows it on failure).
+
+Tests run under pytest-trio: call blocking helpers through
+``await run_blocking(fn, *args)`` (``pcc_plugin.sim.run_blocking``), give them a timeout of
+their own, and wrap every test that does I/O in ``with trio.fail_after(N):``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Mapping
+
+import pytest
+
+from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon
+
+KUBELET_KINDS = ("current", "resource-keyed", "legacy")
+
+
+def make_kubelet(fake_node: FakeNode, kind: str) -> SimKubelet:
+    match kind:
+        case "current":
+            return SimKubelet(fake_node.plugin_dir)
+        case "resource-keyed":
+            return SimKubelet(fake_node.plugin_dir, key_by="resource")
+        case "legacy":
+            return SimKubelet(fake_node.plugin_dir, legacy=True, key_by="resource")
+    raise ValueError(f"unknown kubelet kind {kind!r}; known: {', '.join(KUBELET_KINDS)}")
+
+
+@pytest.fixture
+def fake_node() -> Iterator[FakeNode]:
+    node = FakeNode.create()
+    yield node
+    node.remove()
+
+
+@pytest.fixture
+def kubelet(request: pytest.FixtureRequest, fake_node: FakeNode) -> Iterator[SimKubelet]:
+    with make_kubelet(fake_node, getattr(request, "param", "current")) as sim:
+        yield sim
+
+
+@pytest.fixture(params=KUBELET_KINDS)
+def any_kubelet(request: pytest.FixtureRequest, fake_node: FakeNode) -> Iterator[SimKubelet]:
+    with make_kubelet(fake_node, request.param) as sim:
+        yield sim
+
+
+@pytest.fixture
+def start_daemon(fake_node: FakeNode) -> Iterator[StartDaemon]:
+    log_numbers = itertools.count()
+    with contextlib.ExitStack() as cleanup:
+
+        def start(*args: str, env: Mapping[str, str] | None = None) -> Daemon:
+            log_path = fake_node.root / f"daemon-{next(log_numbers)}.log"
+            daemon = Daemon.spawn_plugin(args, log_path, env)
+            # Last in, first out: the log is printed once the process group is gone.
+            cleanup.callback(print_log, daemon)
+            cleanup.callback(daemon.close)
+            return daemon
+
+        yield start
+
+
+def print_log(daemon: Daemon) -> None:
+    print(f"--- daemon {daemon.pid}: {' '.join(daemon.argv)}\n{daemon.log_text()}")
