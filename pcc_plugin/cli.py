@@ -36,6 +36,9 @@ _FLAGS = (
     "v",
     "metrics-bind-address",
     "pre-start-check",
+    "config",
+    "cdi",
+    "cdi-spec-dir",
     "help",
 )
 
@@ -144,6 +147,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask kubelet to call PreStartContainer and check the device and PCC directory "
         "again before each container starts (default: off)",
     )
+    add(
+        "--config",
+        default="",
+        metavar="FILE",
+        help="YAML file of resources to serve instead of the PCC profile above "
+        "(see docs/profiles.md)",
+    )
+    add(
+        "--cdi",
+        action="store_true",
+        help="also write a CDI spec per resource and name CDI devices in Allocate answers "
+        "(default: off)",
+    )
+    add(
+        "--cdi-spec-dir",
+        default="/var/run/cdi",
+        metavar="DIR",
+        help="where CDI specs are written (default: %(default)s)",
+    )
     add("--v", default=0, type=_whole_number(0), metavar="LEVEL", dest="verbosity",
         help="log verbosity: 0 registrations and errors, 1 each Allocate and registration "
              "step, 2 debug and gRPC internals (default: %(default)s)")  # fmt: skip
@@ -161,11 +183,20 @@ def parse_config(argv: Sequence[str]) -> Config:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     config = parse_config(sys.argv[1:] if argv is None else argv)
     klog.configure(config.verbosity)
-    specs = [pcc_resource(config)]
-    problem = health_problem(specs[0], config.host_root)
-    if problem:
-        log.error("%s", problem)
-        sys.exit(1)
+    if config.config:
+        # Imported only now: the YAML parser is not needed without --config.
+        from pcc_plugin import profiles
+
+        try:
+            specs = profiles.load(config.config)
+        except ConfigError as exc:
+            usage_error(str(exc))
+    else:
+        specs = [pcc_resource(config)]
+        problem = health_problem(specs[0], config.host_root)
+        if problem:
+            log.error("%s", problem)
+            sys.exit(1)
     # Imported only now: `--help` and usage errors stay fast.
     import trio
 

@@ -115,3 +115,7 @@ class Config:
     # `host:port`, `:port` (every address) or "" (no metrics and probes).
     metrics_bind_address: str = attrs.field(default=":8080", validator=_bind_address)
     pre_start_check: bool = False
+    # A YAML file of resources; empty means the PCC profile from the flags above.
+    config: str = ""
+    cdi: bool = False
+    cdi_spec_dir: str = attrs.field(default="/var/run/cdi", validator=_absolute("--cdi-spec-dir"))

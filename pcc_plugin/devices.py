@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
-import attrs
 import trio
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.klog import V1
-from pcc_plugin.resources import ResourceSpec, health_problem
+from pcc_plugin.resources import Device, DeviceNode, ResourceSpec, health_problem, take_inventory
 from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
@@ -27,67 +27,15 @@ class DeviceUnavailable(RuntimeError):
     """The device or a mount source is gone: FAILED_PRECONDITION, with the reason."""
 
 
-def device_ids(count: int) -> tuple[str, ...]:
-    """IDs stay the same across restarts, so kubelet's checkpoint keeps matching them."""
-    return tuple(f"pcc-{index}" for index in range(count))
-
-
-@attrs.frozen
-class Shares:
-    """The shares of one resource, as kubelet sees them: pure functions of the spec."""
-
-    spec: ResourceSpec
-    ids: tuple[str, ...] = attrs.field()
-    known: frozenset[str] = attrs.field()
-
-    @ids.default
-    def _ids(self) -> tuple[str, ...]:
-        return device_ids(self.spec.count)
-
-    @known.default
-    def _known(self) -> frozenset[str]:
-        return frozenset(self.ids)
-
-    def listing(self, health: str) -> bytes:
-        """The full device list, encoded once and shared by every ListAndWatch stream."""
-        message = api.ListAndWatchResponse(
-            devices=[api.Device(id=device_id, health=health) for device_id in self.ids]
-        )
-        return bytes(message)
-
-    def check_ids(self, where: str, ids: list[str]) -> None:
-        if not ids:
-            raise RequestError(f"{where} names no device IDs")
-        unknown = sorted(set(ids) - self.known)
-        if unknown:
-            shown = ", ".join(repr(device_id) for device_id in unknown[:5])
-            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-            raise RequestError(
-                f"{where} names unknown device IDs {shown}{more}; "
-                f"{self.spec.name} has {self.ids[0]} to {self.ids[-1]}"
-            )
-
-    def container_response(self) -> api.ContainerAllocateResponse:
-        # Several shares still mean each device node and mount once.
-        return api.ContainerAllocateResponse(
-            devices=[
-                api.DeviceSpec(
-                    container_path=node.container_path,
-                    host_path=node.host_path,
-                    permissions=node.permissions,
-                )
-                for node in self.spec.device_nodes
-            ],
-            mounts=[
-                api.Mount(
-                    container_path=mount.container_path,
-                    host_path=mount.host_path,
-                    read_only=mount.read_only,
-                )
-                for mount in self.spec.mounts
-            ],
-            envs=dict(self.spec.envs),
-        )
+def encode_listing(devices: tuple[Device, ...]) -> bytes:
+    """The full device list, encoded once and shared by every ListAndWatch stream."""
+    message = api.ListAndWatchResponse(
+        devices=[
+            api.Device(id=device.id, health=HEALTHY if device.healthy else UNHEALTHY)
+            for device in devices
+        ]
+    )
+    return bytes(message)
 
 
 class DeviceFeed:
@@ -115,47 +63,93 @@ class DeviceFeed:
                 await self._changed.wait()
 
 
+def _describe(devices: tuple[Device, ...]) -> str:
+    problems = sorted({device.problem for device in devices if device.problem})
+    unhealthy = sum(1 for device in devices if device.problem)
+    if not unhealthy:
+        return f"all {len(devices)} devices Healthy"
+    if unhealthy == len(devices) and len(problems) == 1:
+        return f"every device is Unhealthy: {problems[0]}"
+    return f"{unhealthy} of {len(devices)} devices Unhealthy: {'; '.join(problems)}"
+
+
 class DevicePlugin:
-    """One resource's answers to kubelet, with its current health."""
+    """One resource's answers to kubelet, kept in step with the node by `refresh`."""
 
     def __init__(
-        self, spec: ResourceSpec, host_root: str, stats: ResourceStats, pre_start_check: bool
+        self,
+        spec: ResourceSpec,
+        host_root: str,
+        stats: ResourceStats,
+        *,
+        pre_start_check: bool = False,
+        cdi_spec_dir: Path | None = None,
     ) -> None:
         self.spec = spec
-        self.shares = Shares(spec)
         self.stats = stats
         self._host_root = host_root
         self._pre_start_check = pre_start_check
-        self.problem: str | None = None
-        self.feed = DeviceFeed(self.shares.listing(HEALTHY))
-        stats.devices = spec.count
+        self._cdi_spec_dir = cdi_spec_dir
+        self._seen: dict[str, DeviceNode] = {}
+        self.devices: tuple[Device, ...] = ()
+        self._by_id: dict[str, Device] = {}
+        self.feed = DeviceFeed(b"")
+        self.refresh()
 
-    def set_problem(self, problem: str | None) -> None:
-        """Publish a health change to every stream, and say why in the log."""
-        if problem == self.problem:
+    def refresh(self) -> None:
+        """Look at the node again; on any change publish the whole list and say why."""
+        devices = take_inventory(self.spec, self._host_root, self._seen)
+        if devices == self.devices:
             return
-        self.problem = problem
-        self.stats.healthy = problem is None
-        if problem:
-            log.warning("%s: every device is Unhealthy: %s", self.spec.name, problem)
-        else:
-            log.info("%s: every device is Healthy again", self.spec.name)
-        self.feed.publish(self.shares.listing(UNHEALTHY if problem else HEALTHY))
+        before = _describe(self.devices) if self.devices else None
+        self.devices = devices
+        self._by_id = {device.id: device for device in devices}
+        unhealthy = sum(1 for device in devices if device.problem)
+        self.stats.unhealthy_devices = unhealthy
+        self.stats.healthy_devices = len(devices) - unhealthy
+        now = _describe(devices)
+        if now != before:
+            level = logging.WARNING if unhealthy else logging.INFO
+            log.log(level, "%s: %s", self.spec.name, now)
+        self.feed.publish(encode_listing(devices))
+        if self._cdi_spec_dir is not None:
+            from pcc_plugin import cdi
+
+            cdi.write_spec(self._cdi_spec_dir, self.spec, devices)
 
     def options(self) -> api.DevicePluginOptions:
-        # Every share is the same device: there is no preference to give.
+        # Shares of one device are alike: there is no preference to give.
         return api.DevicePluginOptions(
             pre_start_required=self._pre_start_check, get_preferred_allocation_available=False
         )
+
+    def _devices_named(self, where: str, ids: list[str]) -> list[Device]:
+        if not ids:
+            raise RequestError(f"{where} names no device IDs")
+        unknown = sorted(set(ids) - self._by_id.keys())
+        if unknown:
+            shown = ", ".join(repr(device_id) for device_id in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            known = f"{self.devices[0].id} to {self.devices[-1].id}" if self.devices else "none"
+            raise RequestError(
+                f"{where} names unknown device IDs {shown}{more}; {self.spec.name} has {known}"
+            )
+        return [self._by_id[device_id] for device_id in ids]
 
     def allocate(self, request: api.AllocateRequest) -> api.AllocateResponse:
         try:
             if not request.container_requests:
                 raise RequestError("AllocateRequest has no container requests")
-            for index, container in enumerate(request.container_requests):
-                self.shares.check_ids(f"container request {index}", container.devices_ids)
-            if self.problem:
-                raise DeviceUnavailable(f"{self.spec.name} is unhealthy: {self.problem}")
+            containers = [
+                self._devices_named(f"container request {index}", container.devices_ids)
+                for index, container in enumerate(request.container_requests)
+            ]
+            for devices in containers:
+                for device in devices:
+                    if device.problem:
+                        raise DeviceUnavailable(
+                            f"{self.spec.name} device {device.id} is unhealthy: {device.problem}"
+                        )
         except RequestError:
             self.stats.allocations["invalid"] += 1
             raise
@@ -163,24 +157,56 @@ class DevicePlugin:
             self.stats.allocations["unavailable"] += 1
             raise
         self.stats.allocations["ok"] += 1
+        responses = [self._container_response(devices) for devices in containers]
         log.log(
             V1,
             "Allocate %s: %s -> %s",
             self.spec.name,
             [container.devices_ids for container in request.container_requests],
-            ", ".join(self.spec.host_paths()),
+            [[spec.host_path for spec in response.devices] for response in responses],
         )
-        response = self.shares.container_response()
-        return api.AllocateResponse(
-            container_responses=[response] * len(request.container_requests)
+        return api.AllocateResponse(container_responses=responses)
+
+    def _container_response(self, devices: list[Device]) -> api.ContainerAllocateResponse:
+        # Several shares of one node still give that node, and each mount, once.
+        nodes = {node.host_path: node for device in devices for node in device.nodes}
+        response = api.ContainerAllocateResponse(
+            devices=[
+                api.DeviceSpec(
+                    container_path=node.container_path,
+                    host_path=node.host_path,
+                    permissions=node.permissions,
+                )
+                for node in nodes.values()
+            ],
+            mounts=[
+                api.Mount(
+                    container_path=mount.container_path,
+                    host_path=mount.host_path,
+                    read_only=mount.read_only,
+                )
+                for mount in self.spec.mounts
+            ],
+            envs=dict(self.spec.envs),
         )
+        if self._cdi_spec_dir is not None:
+            from pcc_plugin import cdi
+
+            response.cdi_devices = [
+                api.CdiDevice(name=name) for name in cdi.qualified_names(self.spec, devices)
+            ]
+        return response
 
     def pre_start_container(
         self, request: api.PreStartContainerRequest
     ) -> api.PreStartContainerResponse:
-        self.shares.check_ids("PreStartContainerRequest", request.devices_ids)
+        devices = self._devices_named("PreStartContainerRequest", request.devices_ids)
         if self._pre_start_check:
             problem = health_problem(self.spec, self._host_root)
             if problem:
                 raise DeviceUnavailable(f"cannot start the container: {problem}")
+            self.refresh()
+            gone = [device.id for device in devices if self._by_id[device.id].problem]
+            if gone:
+                raise DeviceUnavailable(f"cannot start the container: {', '.join(gone)} gone")
         return api.PreStartContainerResponse()

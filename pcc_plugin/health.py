@@ -7,6 +7,8 @@ never shows a re-created one; the parents are mounted from the host instead.
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import logging
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import trio
 from asyncinotify import Mask
 
 from pcc_plugin.devices import DevicePlugin
-from pcc_plugin.resources import health_problem, watched_paths
+from pcc_plugin.resources import watched_paths
 from pcc_plugin.watch import next_events, open_inotify
 
 log = logging.getLogger(__name__)
@@ -38,32 +40,48 @@ def _nearest_existing_dir(path: Path) -> Path:
     return path
 
 
+def _watch_plan(paths: list[Path]) -> tuple[set[Path], list[str]]:
+    """The directories to watch, and name patterns of the entries in them that matter.
+
+    A path's parent is watched; while the parent is missing, the nearest
+    existing ancestor is, for the entry on the way down. A glob's last
+    component is itself a pattern.
+    """
+    directories: set[Path] = set()
+    patterns: list[str] = []
+    for path in paths:
+        directory = _nearest_existing_dir(path.parent)
+        directories.add(directory)
+        if directory == path.parent:
+            name = path.name
+            patterns.append(name if glob.has_magic(name) else glob.escape(name))
+        else:
+            patterns.append(glob.escape(path.relative_to(directory).parts[0]))
+    return directories, patterns
+
+
 async def watch_health(
     plugin: DevicePlugin,
     host_root: str,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Keep `plugin`'s health in step with its device nodes and mount sources.
+    """Keep `plugin`'s devices in step with its device nodes and mount sources.
 
-    Started after the first look. Each round watches the nearest existing
-    directory above every path first and looks second, so a change between
-    two rounds is never missed.
+    Started after the first look. Each round watches first and looks second,
+    so a change between two rounds is never missed.
     """
     paths = [Path(path) for path in watched_paths(plugin.spec, host_root)]
     started = False
     while True:
         with open_inotify() as inotify:
-            # The entry under each watched directory that leads to one of our paths.
-            relevant: set[str] = set()
+            directories, patterns = _watch_plan(paths)
             try:
-                for path in paths:
-                    directory = _nearest_existing_dir(path.parent)
-                    relevant.add(path.relative_to(directory).parts[0])
+                for directory in directories:
                     inotify.add_watch(directory, _CHANGES)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # removed between the look and the watch: look again
-            plugin.set_problem(health_problem(plugin.spec, host_root))
+            plugin.refresh()
             if not started:
                 task_status.started()
                 started = True
@@ -72,7 +90,10 @@ async def watch_health(
                 # Other entries of /dev come and go all the time: only ours matter.
                 if any(
                     event.mask & _ANY_NAME
-                    or (event.name is not None and str(event.name) in relevant)
+                    or (
+                        event.name is not None
+                        and any(fnmatch.fnmatchcase(str(event.name), p) for p in patterns)
+                    )
                     for event in events
                 ):
                     break

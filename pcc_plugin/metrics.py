@@ -67,8 +67,8 @@ class PluginCollector(Collector):
             restarts.add_metric([name], stats.kubelet_restarts)
             for result in ("ok", "invalid", "unavailable"):
                 allocations.add_metric([name, result], stats.allocations[result])
-            devices.add_metric([name, "Healthy"], stats.devices if stats.healthy else 0)
-            devices.add_metric([name, "Unhealthy"], 0 if stats.healthy else stats.devices)
+            devices.add_metric([name, "Healthy"], stats.healthy_devices)
+            devices.add_metric([name, "Unhealthy"], stats.unhealthy_devices)
             streams.add_metric([name], stats.streams_open)
             ready.add_metric([name], 0 if stats.not_ready_reason() else 1)
         yield from (registrations, restarts, allocations, devices, streams, ready)

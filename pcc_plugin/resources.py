@@ -1,7 +1,8 @@
-"""What one extended resource hands to containers, and whether the node can serve it now."""
+"""What one extended resource hands to containers, and what the node has of it right now."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import stat
@@ -18,10 +19,17 @@ _DEVICE_WORDS = {"char": "a character device", "block": "a block device"}
 
 @attrs.frozen
 class DeviceNode:
+    """A device node; a glob in its last component makes one device per match."""
+
     host_path: str
+    # Empty for a glob: each match appears at its host path.
     container_path: str
     permissions: str = "rw"
     device_type: DeviceType = "char"
+
+    @property
+    def is_glob(self) -> bool:
+        return glob.has_magic(self.host_path)
 
 
 @attrs.frozen
@@ -37,6 +45,7 @@ class HostMount:
 class ResourceSpec:
     name: str
     count: int
+    # Starts socket names and, without globs, device IDs.
     socket_prefix: str = attrs.field(
         validator=attrs.validators.matches_re(r"[a-z0-9][a-z0-9.-]{0,19}")
     )
@@ -44,7 +53,16 @@ class ResourceSpec:
     mounts: tuple[HostMount, ...] = ()
     envs: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def fixed_nodes(self) -> tuple[DeviceNode, ...]:
+        return tuple(node for node in self.device_nodes if not node.is_glob)
+
+    @property
+    def glob_nodes(self) -> tuple[DeviceNode, ...]:
+        return tuple(node for node in self.device_nodes if node.is_glob)
+
     def host_paths(self) -> list[str]:
+        """Every path to watch: device nodes (globs as patterns) and mount sources."""
         return [node.host_path for node in self.device_nodes] + [
             mount.host_path for mount in self.mounts
         ]
@@ -74,16 +92,26 @@ def watched_paths(spec: ResourceSpec, host_root: str) -> list[str]:
     return [seen_from_here(host_root, path) for path in spec.host_paths()]
 
 
+def _device_problem(path: str, device_type: DeviceType) -> str | None:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return f"detect device {path} failed: {exc.strerror}"
+    if not _DEVICE_TEST[device_type](mode):
+        return f"detect device {path} failed: not {_DEVICE_WORDS[device_type]}"
+    return None
+
+
 def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
-    """Why the node cannot serve `spec` now, in the words operators search for, or None."""
-    for node in spec.device_nodes:
-        path = seen_from_here(host_root, node.host_path)
-        try:
-            mode = os.stat(path).st_mode
-        except OSError as exc:
-            return f"detect device {path} failed: {exc.strerror}"
-        if not _DEVICE_TEST[node.device_type](mode):
-            return f"detect device {path} failed: not {_DEVICE_WORDS[node.device_type]}"
+    """Why the node cannot serve any of `spec` now, in the words operators search for.
+
+    Covers what every device of the resource needs: its fixed device nodes and
+    its mount sources. Devices found by a glob are checked one by one.
+    """
+    for node in spec.fixed_nodes:
+        problem = _device_problem(seen_from_here(host_root, node.host_path), node.device_type)
+        if problem:
+            return problem
     for mount in spec.mounts:
         path = seen_from_here(host_root, mount.host_path)
         try:
@@ -93,3 +121,61 @@ def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
         if not stat.S_ISDIR(mode):
             return f"detect {mount.label} {path} failed: not a directory"
     return None
+
+
+@attrs.frozen
+class Device:
+    """One device as kubelet sees it: an ID, the nodes it brings, and its health."""
+
+    id: str
+    # Shares of the same nodes have the same group (also their CDI device name).
+    group: str
+    nodes: tuple[DeviceNode, ...]
+    problem: str | None
+
+    @property
+    def healthy(self) -> bool:
+        return self.problem is None
+
+
+def _glob_id(host_path: str) -> str:
+    # /dev/vfio/12 -> vfio_12: unique within the resource and short, as kubelet wants.
+    relative = host_path.removeprefix("/dev/").lstrip("/")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", relative)[-50:]
+
+
+def take_inventory(
+    spec: ResourceSpec, host_root: str, seen: dict[str, DeviceNode]
+) -> tuple[Device, ...]:
+    """The resource's devices now. `seen` remembers glob matches, so a gone one stays listed.
+
+    Without globs: `count` shares of the fixed nodes. With globs: `count`
+    shares of each matched node, plus the fixed nodes.
+    """
+    shared_problem = health_problem(spec, host_root)
+    if not spec.glob_nodes:
+        return tuple(
+            Device(
+                f"{spec.socket_prefix}-{index}",
+                spec.socket_prefix,
+                spec.fixed_nodes,
+                shared_problem,
+            )
+            for index in range(spec.count)
+        )
+    for pattern in spec.glob_nodes:
+        for match in sorted(glob.glob(seen_from_here(host_root, pattern.host_path))):
+            host_path = match.removeprefix(host_root) if host_root else match
+            if _device_problem(match, pattern.device_type) is None:
+                seen.setdefault(
+                    host_path, attrs.evolve(pattern, host_path=host_path, container_path=host_path)
+                )
+    devices = []
+    for host_path, node in sorted(seen.items()):
+        problem = shared_problem or _device_problem(
+            seen_from_here(host_root, host_path), node.device_type
+        )
+        group = _glob_id(host_path)
+        for index in range(spec.count):
+            devices.append(Device(f"{group}-{index}", group, (*spec.fixed_nodes, node), problem))
+    return tuple(devices)

@@ -18,8 +18,8 @@ class ResourceStats:
     kubelet_restarts: int = 0
     # Allocate answers by result: ok, invalid, unavailable.
     allocations: collections.Counter[str] = attrs.Factory(collections.Counter)
-    healthy: bool = True
-    devices: int = 0
+    healthy_devices: int = 0
+    unhealthy_devices: int = 0
     streams_open: int = 0
     registered: bool = False
     kubelet_stream_open: bool = False

@@ -263,9 +263,35 @@ async def serve_resource(config: Config, plugin: DevicePlugin) -> None:
         nursery.start_soon(serve_kubelet, Path(config.device_plugin_path), plugin)
 
 
+async def supervise_resource(config: Config, plugin: DevicePlugin) -> None:
+    """Serve one resource; if it fails, restart it alone so the others keep serving."""
+    backoff = Backoff(first=1.0, cap=60.0)
+    while True:
+        try:
+            await serve_resource(config, plugin)
+        except Exception as exc:
+            fatal, _ = exc.split(FatalError) if isinstance(exc, ExceptionGroup) else (None, None)
+            if fatal is not None or isinstance(exc, FatalError):
+                raise
+            delay = backoff.next_delay()
+            log.exception("%s failed; restarting it in %.1f s", plugin.spec.name, delay)
+            await trio.sleep(delay)
+
+
 async def run(config: Config, specs: list[ResourceSpec]) -> None:
+    cdi_spec_dir = Path(config.cdi_spec_dir) if config.cdi else None
+    if cdi_spec_dir is not None:
+        from pcc_plugin import cdi
+
+        cdi.remove_departed_specs(cdi_spec_dir, {spec.name for spec in specs})
     plugins = [
-        DevicePlugin(spec, config.host_root, ResourceStats(), config.pre_start_check)
+        DevicePlugin(
+            spec,
+            config.host_root,
+            ResourceStats(),
+            pre_start_check=config.pre_start_check,
+            cdi_spec_dir=cdi_spec_dir,
+        )
         for spec in specs
     ]
     for spec in specs:
@@ -286,7 +312,7 @@ async def run(config: Config, specs: list[ResourceSpec]) -> None:
                                     metrics.serve, config.metrics_bind_address, plugins
                                 )
                             for plugin in plugins:
-                                nursery.start_soon(serve_resource, config, plugin)
+                                nursery.start_soon(supervise_resource, config, plugin)
                     root.cancel_scope.cancel()
 
                 root.start_soon(serve_until_stopped)

@@ -49,7 +49,7 @@ def watch_in_thread(path: Path, outcome: queue.Queue[object]) -> grpc.Channel:
 
 
 async def test_teardown_closes_live_streams_and_removes_the_socket(socket_path: Path) -> None:
-    plugin = DevicePlugin(pcc_resource(Config()), "", ResourceStats(), pre_start_check=False)
+    plugin = DevicePlugin(pcc_resource(Config()), "", ResourceStats())
     outcome: queue.Queue[object] = queue.Queue()
     get = functools.partial(trio.to_thread.run_sync, outcome.get, abandon_on_cancel=True)
     with trio.fail_after(10):
@@ -65,7 +65,7 @@ async def test_teardown_closes_live_streams_and_removes_the_socket(socket_path: 
 
 
 async def test_teardown_leaves_a_socket_someone_else_replaced(socket_path: Path) -> None:
-    plugin = DevicePlugin(pcc_resource(Config()), "", ResourceStats(), pre_start_check=False)
+    plugin = DevicePlugin(pcc_resource(Config()), "", ResourceStats())
     with trio.fail_after(10):
         async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
             await nursery.start(bridge.serve, plugin, DeviceFeed(b"").stream, socket_path)

@@ -35,6 +35,9 @@ def test_defaults() -> None:
         verbosity=0,
         metrics_bind_address=":8080",
         pre_start_check=False,
+        config="",
+        cdi=False,
+        cdi_spec_dir="/var/run/cdi",
     )
 
 

@@ -1,61 +1,76 @@
-"""The device list and Allocate answers, checked with protobuf's own decoder."""
+"""Device lists and Allocate answers, checked with protobuf's own decoder."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.config import Config
-from pcc_plugin.devices import HEALTHY, UNHEALTHY, DevicePlugin, DeviceUnavailable, RequestError
-from pcc_plugin.resources import pcc_resource
+from pcc_plugin.devices import DevicePlugin, DeviceUnavailable, RequestError, encode_listing
+from pcc_plugin.resources import DeviceNode, HostMount, ResourceSpec, pcc_resource
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.stats import ResourceStats
 
 
-def plugin(config: Config | None = None, *, pre_start_check: bool = False) -> DevicePlugin:
-    config = config or Config()
-    return DevicePlugin(pcc_resource(config), config.host_root, ResourceStats(), pre_start_check)
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "sev-guest").symlink_to("/dev/null")
+    (tmp_path / "var" / "run" / "pcc").mkdir(parents=True)
+    return tmp_path
 
 
-def allocate(shares: DevicePlugin, *containers: list[str]) -> pb.AllocateResponse:
-    request = api.AllocateRequest(
-        container_requests=[api.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
+def pcc_plugin(host: Path, pre_start_check: bool = False, **flags: Any) -> DevicePlugin:
+    config = Config(host_root=str(host), **flags)
+    return DevicePlugin(
+        pcc_resource(config), config.host_root, ResourceStats(), pre_start_check=pre_start_check
     )
-    response: pb.AllocateResponse = pb.AllocateResponse.FromString(bytes(shares.allocate(request)))
+
+
+def listing(plugin: DevicePlugin) -> pb.ListAndWatchResponse:
+    response: pb.ListAndWatchResponse = pb.ListAndWatchResponse.FromString(
+        encode_listing(plugin.devices)
+    )
     return response
 
 
-def test_listing_has_every_share_with_stable_ids() -> None:
-    listing = pb.ListAndWatchResponse.FromString(plugin().shares.listing(HEALTHY))
-    assert [device.ID for device in listing.devices] == [f"pcc-{i}" for i in range(16)]
-    assert {device.health for device in listing.devices} == {"Healthy"}
-    assert plugin().shares.ids == plugin().shares.ids
-
-
-def test_listing_follows_resource_count_and_health() -> None:
-    listing = pb.ListAndWatchResponse.FromString(
-        plugin(Config(resource_count=10_000)).shares.listing(UNHEALTHY)
+def allocate(plugin: DevicePlugin, *containers: list[str]) -> pb.AllocateResponse:
+    request = api.AllocateRequest(
+        container_requests=[api.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
     )
-    assert len(listing.devices) == 10_000
-    assert listing.devices[-1].ID == "pcc-9999"
-    assert {device.health for device in listing.devices} == {"Unhealthy"}
+    response: pb.AllocateResponse = pb.AllocateResponse.FromString(bytes(plugin.allocate(request)))
+    return response
 
 
-def test_options_offer_nothing_unimplemented() -> None:
-    options = pb.DevicePluginOptions.FromString(bytes(plugin().options()))
+def test_listing_has_every_share_with_stable_ids(host: Path) -> None:
+    devices = listing(pcc_plugin(host)).devices
+    assert [device.ID for device in devices] == [f"pcc-{i}" for i in range(16)]
+    assert {device.health for device in devices} == {"Healthy"}
+    assert pcc_plugin(host).devices == pcc_plugin(host).devices
+
+
+def test_listing_follows_resource_count_and_health(host: Path) -> None:
+    (host / "dev" / "sev-guest").unlink()
+    devices = listing(pcc_plugin(host, resource_count=10_000)).devices
+    assert len(devices) == 10_000
+    assert devices[-1].ID == "pcc-9999"
+    assert {device.health for device in devices} == {"Unhealthy"}
+
+
+def test_options_offer_nothing_unimplemented(host: Path) -> None:
+    options = pb.DevicePluginOptions.FromString(bytes(pcc_plugin(host).options()))
     assert not options.pre_start_required
     assert not options.get_preferred_allocation_available
 
 
-def test_allocate_gives_the_host_device_and_pcc_dir() -> None:
-    shares = plugin(
-        Config(pcc_device="/dev/sev-guest0", pcc_socket_path="/run/pcc", host_root="/host")
-    )
-    response = allocate(shares, ["pcc-3"])
-    assert len(response.container_responses) == 1
-    (container,) = response.container_responses
+def test_allocate_gives_the_host_paths_not_the_host_root_ones(host: Path) -> None:
+    (host / "dev" / "sev-guest0").symlink_to("/dev/null")
+    (host / "run" / "pcc").mkdir(parents=True)
+    plugin = pcc_plugin(host, pcc_device="/dev/sev-guest0", pcc_socket_path="/run/pcc")
+    (container,) = allocate(plugin, ["pcc-3"]).container_responses
     assert [(d.container_path, d.host_path, d.permissions) for d in container.devices] == [
         ("/dev/sev-guest", "/dev/sev-guest0", "rw")
     ]
@@ -64,16 +79,17 @@ def test_allocate_gives_the_host_device_and_pcc_dir() -> None:
     ]
     assert not container.envs
     assert not container.annotations
+    assert not container.cdi_devices
 
 
-def test_several_shares_give_the_device_and_mount_once() -> None:
-    (container,) = allocate(plugin(), ["pcc-0", "pcc-1", "pcc-15"]).container_responses
+def test_several_shares_give_the_device_and_mount_once(host: Path) -> None:
+    (container,) = allocate(pcc_plugin(host), ["pcc-0", "pcc-1", "pcc-15"]).container_responses
     assert len(container.devices) == 1
     assert len(container.mounts) == 1
 
 
-def test_one_response_per_container_request() -> None:
-    response = allocate(plugin(), ["pcc-0"], ["pcc-1", "pcc-2"], ["pcc-3"])
+def test_one_response_per_container_request(host: Path) -> None:
+    response = allocate(pcc_plugin(host), ["pcc-0"], ["pcc-1", "pcc-2"], ["pcc-3"])
     assert len(response.container_responses) == 3
 
 
@@ -87,41 +103,73 @@ def test_one_response_per_container_request() -> None:
         ([[f"x{i}" for i in range(8)]], "'x4' and 3 more"),
     ],
 )
-def test_bad_requests_name_the_problem(containers: list[list[str]], message: str) -> None:
+def test_bad_requests_name_the_problem(
+    host: Path, containers: list[list[str]], message: str
+) -> None:
     request = api.AllocateRequest(
         container_requests=[api.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
     )
-    with pytest.raises(RequestError, match=message.replace("(", r"\(")):
-        plugin().allocate(request)
+    plugin = pcc_plugin(host)
+    with pytest.raises(RequestError, match=message):
+        plugin.allocate(request)
+    assert plugin.stats.allocations == {"invalid": 1}
 
 
-def test_pre_start_container_checks_ids() -> None:
-    shares = plugin()
-    shares.pre_start_container(api.PreStartContainerRequest(devices_ids=["pcc-1"]))
-    with pytest.raises(RequestError, match="unknown device IDs 'nope'"):
-        shares.pre_start_container(api.PreStartContainerRequest(devices_ids=["nope"]))
-
-
-def test_allocate_fails_with_the_reason_while_unhealthy() -> None:
-    shares = plugin()
-    shares.set_problem("detect device /dev/sev-guest failed: No such file or directory")
+def test_allocate_fails_with_the_reason_while_unhealthy(host: Path) -> None:
+    plugin = pcc_plugin(host)
     request = api.AllocateRequest(
         container_requests=[api.ContainerAllocateRequest(devices_ids=["pcc-0"])]
     )
-    with pytest.raises(DeviceUnavailable, match="is unhealthy: detect device /dev/sev-guest"):
-        shares.allocate(request)
-    shares.set_problem(None)
-    assert len(shares.allocate(request).container_responses) == 1
-    assert shares.stats.allocations == {"unavailable": 1, "ok": 1}
+    (host / "dev" / "sev-guest").unlink()
+    plugin.refresh()
+    with pytest.raises(DeviceUnavailable, match=r"pcc-0 is unhealthy: detect device .* failed"):
+        plugin.allocate(request)
+    (host / "dev" / "sev-guest").symlink_to("/dev/null")
+    plugin.refresh()
+    assert len(plugin.allocate(request).container_responses) == 1
+    assert plugin.stats.allocations == {"unavailable": 1, "ok": 1}
+    assert (plugin.stats.healthy_devices, plugin.stats.unhealthy_devices) == (16, 0)
 
 
-def test_pre_start_check_looks_at_the_node_again(tmp_path: Path) -> None:
-    (tmp_path / "dev").mkdir()
-    (tmp_path / "dev" / "sev-guest").symlink_to("/dev/null")
-    checked = plugin(Config(host_root=str(tmp_path)), pre_start_check=True)
+def test_pre_start_check_looks_at_the_node_again(host: Path) -> None:
+    checked = pcc_plugin(host, pre_start_check=True)
     assert checked.options().pre_start_required
     request = api.PreStartContainerRequest(devices_ids=["pcc-0"])
-    with pytest.raises(DeviceUnavailable, match=f"detect socket path {tmp_path}/var/run/pcc"):
-        checked.pre_start_container(request)
-    (tmp_path / "var" / "run" / "pcc").mkdir(parents=True)
     checked.pre_start_container(request)
+    (host / "var" / "run" / "pcc").rmdir()
+    with pytest.raises(DeviceUnavailable, match=f"detect socket path {host}/var/run/pcc"):
+        checked.pre_start_container(request)
+    with pytest.raises(RequestError, match="unknown device IDs 'nope'"):
+        checked.pre_start_container(api.PreStartContainerRequest(devices_ids=["nope"]))
+
+
+def test_globbed_devices_are_one_device_each_and_stay_listed_when_gone(host: Path) -> None:
+    for name in ("vda", "vdb"):
+        (host / "dev" / name).symlink_to("/dev/null")
+    spec = ResourceSpec(
+        name="example.com/disk",
+        count=2,
+        socket_prefix="disk",
+        device_nodes=(DeviceNode("/dev/vd*", "", "rw", "char"),),
+        mounts=(HostMount("/var/run/pcc", "/pcc", read_only=True),),
+        envs=(("MODE", "shared"),),
+    )
+    plugin = DevicePlugin(spec, str(host), ResourceStats())
+    assert [(d.id, d.healthy) for d in plugin.devices] == [
+        ("vda-0", True), ("vda-1", True), ("vdb-0", True), ("vdb-1", True),
+    ]  # fmt: skip
+    (container,) = allocate(plugin, ["vdb-1", "vdb-0"]).container_responses
+    assert [(d.container_path, d.host_path) for d in container.devices] == [
+        ("/dev/vdb", "/dev/vdb")
+    ]
+    assert [(m.container_path, m.read_only) for m in container.mounts] == [("/pcc", True)]
+    assert dict(container.envs) == {"MODE": "shared"}
+    (host / "dev" / "vda").unlink()
+    (host / "dev" / "vdc").symlink_to("/dev/null")
+    plugin.refresh()
+    assert [(d.id, d.healthy) for d in plugin.devices] == [
+        ("vda-0", False), ("vda-1", False), ("vdb-0", True), ("vdb-1", True),
+        ("vdc-0", True), ("vdc-1", True),
+    ]  # fmt: skip
+    with pytest.raises(DeviceUnavailable, match="vda-0 is unhealthy"):
+        allocate(plugin, ["vda-0"])

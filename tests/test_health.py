@@ -54,7 +54,7 @@ async def test_device_going_and_coming_back(
         assert f"detect device {fake_node.device} failed" in details
         fake_node.device.symlink_to("/dev/null")
         await devices_become(kubelet, "Healthy")
-        await log_line(daemon, "every device is Healthy again")
+        await log_line(daemon, "all 16 devices Healthy", count=2)
         assert await allocate_status(kubelet) == (grpc.StatusCode.OK, "")
         # Replaced by something that is not a character device.
         fake_node.device.unlink()
@@ -108,9 +108,7 @@ async def test_pre_start_check_is_offered_and_checks_the_node(
 
 
 def _can_unshare_mounts() -> bool:
-    probe = subprocess.run(
-        ["unshare", "-m", "true"], capture_output=True, check=False, timeout=10
-    )
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False, timeout=10)
     return probe.returncode == 0
 
 
