@@ -20,6 +20,10 @@
     The same fixture parametrised over every kind: for behaviour that must hold against all
     kubelets. Use either ``kubelet`` or ``any_kubelet`` in a test, not both (one directory).
 
+``host``
+    A host filesystem tree in ``tmp_path`` for unit tests: ``dev/sev-guest`` (a symlink to
+    /dev/null, so a character device) and the ``var/run/pcc`` directory; pass it as --host-root.
+
 ``start_daemon``
     ``start_daemon(*args, env=None) -> Daemon`` runs ``python -m pcc_plugin *args`` in its own
     session, with ``env`` merged into the environment and its output in a log file; the whole
@@ -35,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +57,14 @@ def make_kubelet(fake_node: FakeNode, kind: str) -> SimKubelet:
         case "legacy":
             return SimKubelet(fake_node.plugin_dir, legacy=True, key_by="resource")
     raise ValueError(f"unknown kubelet kind {kind!r}; known: {', '.join(KUBELET_KINDS)}")
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "sev-guest").symlink_to("/dev/null")
+    (tmp_path / "var" / "run" / "pcc").mkdir(parents=True)
+    return tmp_path
 
 
 @pytest.fixture

@@ -83,14 +83,6 @@ CDI_0_6_SCHEMA: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def host(tmp_path: Path) -> Path:
-    (tmp_path / "dev").mkdir()
-    (tmp_path / "dev" / "sev-guest").symlink_to("/dev/null")
-    (tmp_path / "var" / "run" / "pcc").mkdir(parents=True)
-    return tmp_path
-
-
 def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     cdi_dir = tmp_path / "cdi"
     plugin = DevicePlugin(pcc_resource(Config()), str(host), ResourceStats(), cdi_spec_dir=cdi_dir)

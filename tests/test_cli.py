@@ -147,14 +147,6 @@ def test_resource_names_as_kubelet_checks_them(name: str, problem: str | None) -
         assert problem in found
 
 
-@pytest.fixture
-def host(tmp_path: Path) -> Path:
-    (tmp_path / "dev").mkdir()
-    (tmp_path / "dev" / "sev-guest").symlink_to("/dev/null")
-    (tmp_path / "var" / "run" / "pcc").mkdir(parents=True)
-    return tmp_path
-
-
 def detect(host: Path) -> str | None:
     return health_problem(pcc_resource(Config()), str(host))
 

@@ -15,14 +15,6 @@ from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.stats import ResourceStats
 
 
-@pytest.fixture
-def host(tmp_path: Path) -> Path:
-    (tmp_path / "dev").mkdir()
-    (tmp_path / "dev" / "sev-guest").symlink_to("/dev/null")
-    (tmp_path / "var" / "run" / "pcc").mkdir(parents=True)
-    return tmp_path
-
-
 def pcc_plugin(host: Path, pre_start_check: bool = False, **flags: Any) -> DevicePlugin:
     config = Config(host_root=str(host), **flags)
     return DevicePlugin(
