@@ -21,7 +21,7 @@ from pcc_plugin.config import (
     Config,
     ConfigError,
 )
-from pcc_plugin.resources import health_problem, pcc_resource
+from pcc_plugin.resources import ResourceSpec, health_problem, pcc_resource
 
 log = logging.getLogger("pcc_plugin")
 
@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
             "guest device and gives each container the device and the PCC socket directory."
         ),
         epilog=(
+            "`pcc-device-plugin doctor [flags]` checks a node with the same flags. "
             "Flags also take Go's single-dash spelling (-v=1, -resource-count 8). "
             "Exit codes: 0 stopped by SIGTERM/SIGINT; 1 device or PCC directory missing, "
             "or a fatal error; 2 usage error; 130/143 forced by a second signal."
@@ -180,19 +181,29 @@ def parse_config(argv: Sequence[str]) -> Config:
         usage_error(str(exc))
 
 
-def main(argv: Sequence[str] | None = None) -> NoReturn:
-    config = parse_config(sys.argv[1:] if argv is None else argv)
-    klog.configure(config.verbosity)
-    if config.config:
-        # Imported only now: the YAML parser is not needed without --config.
-        from pcc_plugin import profiles
+def load_specs(config: Config) -> list[ResourceSpec]:
+    """The resources to serve: the file's with --config, else the PCC profile from the flags."""
+    if not config.config:
+        return [pcc_resource(config)]
+    # Imported only now: the YAML parser is not needed without --config.
+    from pcc_plugin import profiles
 
-        try:
-            specs = profiles.load(config.config)
-        except ConfigError as exc:
-            usage_error(str(exc))
-    else:
-        specs = [pcc_resource(config)]
+    try:
+        return profiles.load(config.config)
+    except ConfigError as exc:
+        usage_error(str(exc))
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "doctor":
+        from pcc_plugin import doctor
+
+        doctor.main(argv[1:])
+    config = parse_config(argv)
+    klog.configure(config.verbosity)
+    specs = load_specs(config)
+    if not config.config:
         problem = health_problem(specs[0], config.host_root)
         if problem:
             log.error("%s", problem)

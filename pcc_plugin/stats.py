@@ -22,6 +22,8 @@ class ResourceStats:
     unhealthy_devices: int = 0
     streams_open: int = 0
     registered: bool = False
+    # Which kubelet.sock the last registration went to (device, inode, ctime).
+    kubelet: tuple[int, int, int] | None = None
     kubelet_stream_open: bool = False
     # Why the resource is not ready, while it is not.
     waiting_for: str = "not registered with kubelet yet"

@@ -86,19 +86,21 @@ class Restart:
 
 @attrs.define
 class KubeletStream:
-    """Kubelet's ListAndWatch stream: the first one opened on a generation's socket.
+    """Kubelet's ListAndWatch stream: the first one opened after Register was sent.
 
-    Only kubelet learns the socket's name from Register, so later streams come
-    from tools (doctor, benchmarks) and their end means nothing.
+    Kubelet learns the socket's name from Register and opens its stream right
+    after; other streams come from tools (doctor, benchmarks) that found the
+    socket in the directory, and their end means nothing.
     """
 
     stats: ResourceStats
     ended: trio.Event = attrs.Factory(trio.Event)
+    register_sent: bool = False
     claimed: bool = False
 
     async def serve(self, feed: DeviceFeed, send: Callable[[bytes], Awaitable[None]]) -> None:
-        is_kubelet = not self.claimed
-        self.claimed = True
+        is_kubelet = self.register_sent and not self.claimed
+        self.claimed |= is_kubelet
         log.log(V1, "ListAndWatch stream opened%s", " (kubelet's)" if is_kubelet else "")
         self.stats.streams_open += 1
         self.stats.kubelet_stream_open |= is_kubelet
@@ -157,15 +159,30 @@ def remove_stale_sockets(plugin_dir: Path, spec: ResourceSpec, keep: str) -> Non
         log.info("Removed stale socket %s", path)
 
 
+def socket_identity(path: Path) -> tuple[int, int, int] | None:
+    """Tells one kubelet.sock from the next, even if the kernel reuses the inode number."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_ctime_ns
+
+
 async def register_with_kubelet(
     plugin_dir: Path,
     request: api.RegisterRequest,
     stats: ResourceStats,
     cause: str,
+    stream: KubeletStream,
     register: Register = bridge.register,
     backoff: Backoff | None = None,
 ) -> None:
-    """Register until kubelet accepts, logging each distinct failure once."""
+    """Register until kubelet accepts, logging each distinct failure once.
+
+    A registration with another kubelet.sock than the last one is counted as
+    a kubelet restart, whichever event (our socket deleted, kubelet.sock
+    created, the stream's end) made this generation start.
+    """
     backoff = backoff or Backoff()
     kubelet_socket = plugin_dir / KUBELET_SOCKET
     reported: set[str] = set()
@@ -178,6 +195,8 @@ async def register_with_kubelet(
             await trio.sleep_forever()
         log.log(V1, "Registering %s at %s with endpoint %s",
                 request.resource_name, kubelet_socket, request.endpoint)  # fmt: skip
+        kubelet = socket_identity(kubelet_socket)
+        stream.register_sent = True
         try:
             await register(kubelet_socket, request, REGISTER_TIMEOUT)
         except bridge.RegisterFailed as exc:
@@ -189,6 +208,10 @@ async def register_with_kubelet(
             continue
         log.info("Registered device plugin with Kubelet: resource %s, endpoint %s",
                  request.resource_name, request.endpoint)  # fmt: skip
+        if stats.kubelet is not None and kubelet != stats.kubelet:
+            stats.kubelet_restarts += 1
+            cause = "kubelet restarted"
+        stats.kubelet = kubelet
         stats.registered = True
         stats.registrations[cause] += 1
         return
@@ -239,7 +262,7 @@ async def serve_generation(
         except FileNotFoundError:
             restart(f"{plugin_dir} disappeared")
             return restart.reason or ""
-        nursery.start_soon(register_with_kubelet, plugin_dir, request, plugin.stats, cause)
+        nursery.start_soon(register_with_kubelet, plugin_dir, request, plugin.stats, cause, stream)
         nursery.start_soon(reregister_when_stream_ends, stream, restart)
     return restart.reason or "cancelled"
 
@@ -252,8 +275,6 @@ async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin) -> None:
         plugin.stats.waiting_for = f"waiting for {plugin_dir} to be created"
         await wait_for_directory(plugin_dir)
         cause = await serve_generation(plugin_dir, plugin, next(names), cause)
-        if cause == "kubelet restarted":
-            plugin.stats.kubelet_restarts += 1
         log.log(V1, "Restarting the device plugin server: %s", cause)
 
 

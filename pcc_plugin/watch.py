@@ -114,7 +114,9 @@ def restart_reason(events: list[Event], plugin_dir: Path, endpoint: str) -> str 
     if any(event.mask & Mask.Q_OVERFLOW for event in events):
         log.warning("inotify: event queue overflowed, restarting to resynchronise.")
         return "inotify queue overflow"
-    if names.get(KUBELET_SOCKET, Mask(0)) & _APPEARED and is_socket(kubelet_socket):
+    # Anything new at kubelet.sock restarts, so the registration looks at it
+    # afresh (and reports a file that is not a socket); gone again: nothing.
+    if names.get(KUBELET_SOCKET, Mask(0)) & _APPEARED and kubelet_socket.exists():
         log.info("inotify: %s created, restarting.", kubelet_socket)
         return "kubelet restarted"
     own_socket = plugin_dir / endpoint

@@ -67,8 +67,12 @@ async def test_register_retries_with_backoff_and_logs_each_reason_once(
         backoff = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
         expected = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
         stats = ResourceStats()
-        await register_with_kubelet(tmp_path, REQUEST, stats, "start", fake_register, backoff)
+        stream = KubeletStream(stats)
+        await register_with_kubelet(
+            tmp_path, REQUEST, stats, "start", stream, fake_register, backoff
+        )
     assert stats.registered
+    assert stream.register_sent
     assert stats.registrations == {"start": 1}
 
     gaps = [later - earlier for earlier, later in itertools.pairwise(calls)]
@@ -89,11 +93,35 @@ async def test_register_waits_without_polling_while_kubelet_sock_is_missing(
 
     with trio.move_on_after(3600) as waited:
         stats = ResourceStats()
-        await register_with_kubelet(tmp_path, REQUEST, stats, "start", must_not_be_called)
+        await register_with_kubelet(
+            tmp_path, REQUEST, stats, "start", KubeletStream(stats), must_not_be_called
+        )
     assert waited.cancelled_caught
     assert (
         stats.not_ready_reason() == f"waiting for kubelet: {tmp_path}/kubelet.sock does not exist"
     )
+
+
+async def test_a_registration_with_a_new_kubelet_sock_counts_as_a_kubelet_restart(
+    tmp_path: Path,
+) -> None:
+    async def accept(*_: object) -> None:
+        pass
+
+    stats = ResourceStats()
+    for cause in ("start", "own socket removed", "own socket removed"):
+        with bind_socket(tmp_path / "kubelet.sock"):
+            await register_with_kubelet(
+                tmp_path, REQUEST, stats, cause, KubeletStream(stats), accept
+            )
+            if cause == "start":
+                # Registering again with the same kubelet is no restart.
+                await register_with_kubelet(
+                    tmp_path, REQUEST, stats, "ListAndWatch ended", KubeletStream(stats), accept
+                )
+        (tmp_path / "kubelet.sock").unlink()
+    assert stats.registrations == {"start": 1, "ListAndWatch ended": 1, "kubelet restarted": 2}
+    assert stats.kubelet_restarts == 2
 
 
 async def test_stream_end_restarts_after_a_short_jitter(
@@ -113,7 +141,7 @@ async def test_stream_end_restarts_after_a_short_jitter(
     assert 0.05 <= trio.current_time() - ended_at <= 0.25
 
 
-async def test_only_the_first_stream_is_kubelets() -> None:
+async def test_only_the_first_stream_after_register_is_kubelets() -> None:
     stream = KubeletStream(ResourceStats())
     feed = DeviceFeed(b"devices")
     sent: list[bytes] = []
@@ -121,6 +149,11 @@ async def test_only_the_first_stream_is_kubelets() -> None:
     async def send(payload: bytes) -> None:
         sent.append(payload)
 
+    with trio.move_on_after(0):
+        await stream.serve(feed, send)  # a tool's stream, before Register
+    assert not stream.ended.is_set()
+    sent.clear()
+    stream.register_sent = True
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stream.serve, feed, send)
         nursery.start_soon(stream.serve, feed, send)
@@ -133,7 +166,7 @@ async def test_only_the_first_stream_is_kubelets() -> None:
         nursery.cancel_scope.cancel()
     assert stream.ended.is_set()
 
-    later = KubeletStream(ResourceStats(), claimed=True)
+    later = KubeletStream(ResourceStats(), register_sent=True, claimed=True)
     with trio.move_on_after(0):
         await later.serve(feed, send)
     assert not later.ended.is_set()

@@ -1,0 +1,439 @@
+"""`pcc-device-plugin doctor` on healthy and broken fake nodes, run as operators run it."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+import attrs
+import pytest
+import trio
+
+from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
+
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
+DEVICE = "device /dev/sev-guest"
+PCC_DIR = "socket path /var/run/pcc"
+PLUGIN_DIR = "device-plugin dir"
+KUBELET = "kubelet"
+PLUGIN = f"plugin {RESOURCE}"
+READYZ = "readyz"
+CHECKS = [DEVICE, PCC_DIR, PLUGIN_DIR, KUBELET, PLUGIN, READYZ]
+
+
+@attrs.frozen
+class Report:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def lines(self) -> dict[str, str]:
+        """Each check's line, by check name: `<STATUS>  <check>: <detail>[; fix: <fix>]`."""
+        found = {}
+        for line in self.stdout.splitlines():
+            status, _, rest = line.partition("  ")
+            if status in ("PASS", "FAIL", "SKIP"):
+                found[rest.split(": ", 1)[0]] = line
+        return found
+
+    @property
+    def statuses(self) -> dict[str, str]:
+        return {check: line.split("  ", 1)[0] for check, line in self.lines.items()}
+
+
+async def run_doctor(*args: str, wrapper: Sequence[str] = ()) -> Report:
+    argv = [*wrapper, sys.executable, "-m", "pcc_plugin", "doctor", *args]
+    with trio.fail_after(30):
+        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    report = Report(done.returncode, done.stdout.decode(), done.stderr.decode())
+    print(f"--- doctor exit {report.code}\n{report.stdout}{report.stderr}")
+    return report
+
+
+@attrs.frozen
+class Node:
+    """A fake node with the simulated kubelet and the daemon serving it."""
+
+    fake: FakeNode
+    kubelet: SimKubelet
+    daemon: Daemon
+    # The daemon's flags, with the metrics port it really listens on.
+    args: list[str]
+
+
+async def start_node(
+    fake_node: FakeNode, kubelet: SimKubelet, start_daemon: StartDaemon, *extra: str
+) -> Node:
+    daemon = start_daemon(*fake_node.daemon_args(), *extra)
+    args = [*fake_node.daemon_args(), *extra]
+    if "--metrics-bind-address=" not in extra:
+        line = await run_blocking(daemon.wait_for_log, "Serving /metrics", 10.0)
+        args.append(f"--metrics-bind-address=127.0.0.1:{line.rsplit(' ', 1)[1]}")
+    await run_blocking(daemon.wait_for_log, "Registered device plugin with Kubelet", 10.0)
+    await run_blocking(kubelet.wait_for, lambda: kubelet.stream_open(RESOURCE), 10.0)
+    return Node(fake_node, kubelet, daemon, args)
+
+
+@pytest.fixture
+async def node(fake_node: FakeNode, kubelet: SimKubelet, start_daemon: StartDaemon) -> Node:
+    with trio.fail_after(20):
+        return await start_node(fake_node, kubelet, start_daemon)
+
+
+async def test_a_healthy_node_passes_every_check_without_disturbing_the_daemon(
+    node: Node,
+) -> None:
+    with trio.fail_after(30):
+        registers = node.kubelet.register_calls
+        report = await run_doctor(*node.args)
+        assert report.code == 0
+        assert list(report.lines) == CHECKS
+        assert set(report.statuses.values()) == {"PASS"}
+        assert report.stdout.splitlines()[-1] == "6 passed, 0 failed, 0 skipped."
+        assert report.stderr == ""
+        assert "lists 16 devices, 16 Healthy" in report.lines[PLUGIN]
+        assert "UNIMPLEMENTED" in report.lines[KUBELET]
+        # The doctor's stream is seen, and not taken for kubelet's.
+        await run_blocking(node.daemon.wait_for_log, "ListAndWatch stream opened", 10.0, count=2)
+        assert node.daemon.log_text().count("ListAndWatch stream opened (kubelet's)") == 1
+        assert node.kubelet.register_calls == registers
+        assert node.kubelet.stream_open(RESOURCE)
+
+
+async def devices_become(node: Node, health: str) -> None:
+    def all_are() -> bool:
+        return set(node.kubelet.devices(RESOURCE).values()) == {health}
+
+    await run_blocking(node.kubelet.wait_for, all_are, 10.0)
+
+
+async def remove_device(node: Node) -> None:
+    node.fake.device.unlink()
+    await devices_become(node, "Unhealthy")
+
+
+async def replace_device_with_a_file(node: Node) -> None:
+    node.fake.device.unlink()
+    node.fake.device.write_text("")
+    await devices_become(node, "Unhealthy")
+
+
+async def remove_pcc_dir(node: Node) -> None:
+    node.fake.pcc_dir.rmdir()
+    await devices_become(node, "Unhealthy")
+
+
+async def remove_plugin_dir(node: Node) -> None:
+    await run_blocking(node.kubelet.stop)
+    shutil.rmtree(node.fake.plugin_dir)
+    await run_blocking(node.daemon.wait_for_log, "to be created", 10.0)
+
+
+async def stop_kubelet(node: Node) -> None:
+    await run_blocking(node.kubelet.stop)
+    await run_blocking(node.daemon.wait_for_log, "Waiting for kubelet", 10.0)
+
+
+async def make_kubelet_sock_a_file(node: Node) -> None:
+    await run_blocking(node.kubelet.stop)
+    await run_blocking(node.daemon.wait_for_log, "Waiting for kubelet", 10.0)
+    (node.fake.plugin_dir / "kubelet.sock").write_text("")
+
+
+async def leave_a_dead_kubelet_sock(node: Node) -> None:
+    await run_blocking(node.kubelet.stop)
+    # Bound, never listening, closed: the file stays, as a crashed kubelet leaves it.
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(node.fake.plugin_dir / "kubelet.sock"))
+    await run_blocking(node.daemon.wait_for_log, "Registration with kubelet failed", 10.0)
+
+
+async def stop_daemon(node: Node) -> None:
+    assert await run_blocking(node.daemon.terminate) == 0
+
+
+async def kill_daemon(node: Node) -> None:
+    assert await run_blocking(node.daemon.terminate, signal.SIGKILL) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        pytest.param(
+            remove_device,
+            {
+                DEVICE: ["host/dev/sev-guest does not exist", "modprobe sev-guest"],
+                PLUGIN: ["16 devices, 0 Healthy; expected every one Healthy", "'Unhealthy'"],
+            },
+            id="device missing",
+        ),
+        pytest.param(
+            replace_device_with_a_file,
+            {
+                DEVICE: ["is a regular file, not a character device", "modprobe -r sev-guest"],
+                PLUGIN: ["0 Healthy"],
+            },
+            id="device not a character device",
+        ),
+        pytest.param(
+            remove_pcc_dir,
+            {
+                PCC_DIR: ["host/var/run/pcc does not exist", "mkdir -p /var/run/pcc"],
+                PLUGIN: ["0 Healthy"],
+            },
+            id="PCC dir missing",
+        ),
+        pytest.param(
+            remove_plugin_dir,
+            {
+                PLUGIN_DIR: ["device-plugins does not exist", "kubelet creates it at start"],
+                KUBELET: ["SKIP", "not checked until", "device-plugins exists"],
+                PLUGIN: ["SKIP"],
+                READYZ: ["answers 503", "to be created"],
+            },
+            id="device-plugin dir missing",
+        ),
+        pytest.param(
+            stop_kubelet,
+            {
+                KUBELET: ["kubelet.sock does not exist", "systemctl status kubelet"],
+                PLUGIN: ["SKIP", "not checked until kubelet answers"],
+                READYZ: ["answers 503", "waiting for kubelet"],
+            },
+            id="kubelet.sock missing",
+        ),
+        pytest.param(
+            make_kubelet_sock_a_file,
+            {
+                KUBELET: ["is a regular file, not a socket", "rm "],
+                PLUGIN: ["SKIP"],
+                READYZ: ["answers 503", "waiting for kubelet"],
+            },
+            id="kubelet.sock a regular file",
+        ),
+        pytest.param(
+            leave_a_dead_kubelet_sock,
+            {
+                KUBELET: ["nothing listens on", "systemctl restart kubelet"],
+                PLUGIN: ["SKIP"],
+                READYZ: ["answers 503", "registration failed"],
+            },
+            id="kubelet.sock left behind",
+        ),
+        pytest.param(
+            stop_daemon,
+            {
+                PLUGIN: ["takes connections;", "start the daemon"],
+                READYZ: ["Connection refused", "the daemon is not running"],
+            },
+            id="daemon stopped",
+        ),
+        pytest.param(
+            kill_daemon,
+            {
+                PLUGIN: ["(1 stale, left by a daemon that was killed)", "--previous"],
+                READYZ: ["Connection refused"],
+            },
+            id="daemon killed",
+        ),
+    ],
+)
+async def test_a_broken_node_fails_the_checks_it_should_with_their_fixes(
+    node: Node, damage: Callable[[Node], Awaitable[None]], expected: dict[str, list[str]]
+) -> None:
+    with trio.fail_after(30):
+        await damage(node)
+        registers = node.kubelet.register_calls
+        report = await run_doctor(*node.args)
+        assert node.kubelet.register_calls == registers
+    assert report.code == 1
+    assert report.stderr == ""
+    assert list(report.lines) == CHECKS
+    not_passing = {check for check, status in report.statuses.items() if status != "PASS"}
+    assert not_passing == set(expected)
+    for check, texts in expected.items():
+        line = report.lines[check]
+        if report.statuses[check] == "FAIL":
+            assert "; fix: " in line
+        for text in texts:
+            assert text in line
+
+
+async def test_a_wrong_resource_count_fails_the_plugin_check(node: Node) -> None:
+    with trio.fail_after(30):
+        report = await run_doctor(*node.args, "--resource-count=8")
+    assert report.code == 1
+    assert {check for check, status in report.statuses.items() if status != "PASS"} == {PLUGIN}
+    assert "lists 16 devices, 16 Healthy; expected 8 devices" in report.lines[PLUGIN]
+    assert "fix: give the doctor the daemon's flags" in report.lines[PLUGIN]
+
+
+async def test_a_pre_start_check_mismatch_fails_the_plugin_check(node: Node) -> None:
+    with trio.fail_after(30):
+        report = await run_doctor(*node.args, "--pre-start-check")
+    assert report.code == 1
+    assert "the daemon runs without --pre-start-check" in report.lines[PLUGIN]
+
+
+async def test_readyz_is_skipped_when_metrics_are_off(
+    fake_node: FakeNode, kubelet: SimKubelet, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(30):
+        node = await start_node(fake_node, kubelet, start_daemon, "--metrics-bind-address=")
+        report = await run_doctor(*node.args)
+    assert report.code == 0
+    assert report.statuses[READYZ] == "SKIP"
+    assert "metrics and probes are off" in report.lines[READYZ]
+    assert report.stdout.splitlines()[-1] == "5 passed, 0 failed, 1 skipped."
+
+
+async def test_with_a_config_file_every_resource_is_checked(
+    fake_node: FakeNode, kubelet: SimKubelet, start_daemon: StartDaemon
+) -> None:
+    vfio = fake_node.host_root / "dev" / "vfio"
+    vfio.mkdir()
+    for group in ("3", "7"):
+        (vfio / group).symlink_to("/dev/null")
+    config = fake_node.root / "resources.yaml"
+    config.write_text(
+        "resources:\n"
+        "  - {name: example.com/pcc, count: 2, devices: [{hostPath: /dev/sev-guest}],\n"
+        "     mounts: [{hostPath: /var/run/pcc}]}\n"
+        '  - {name: example.com/vfio, devices: [{hostPath: "/dev/vfio/[0-9]*"}]}\n'
+    )
+    args = [*fake_node.daemon_args(), f"--config={config}"]
+    with trio.fail_after(30):
+        daemon = start_daemon(*args)
+        port = (await run_blocking(daemon.wait_for_log, "Serving /metrics", 10.0)).rsplit(" ")[-1]
+        args.append(f"--metrics-bind-address=127.0.0.1:{port}")
+        await run_blocking(daemon.wait_for_log, "Registered device plugin", 10.0, count=2)
+        await run_blocking(
+            kubelet.wait_for,
+            lambda: (
+                kubelet.stream_open("example.com/pcc") and kubelet.stream_open("example.com/vfio")
+            ),
+            10.0,
+        )
+        healthy = await run_doctor(*args)
+        (vfio / "7").unlink()
+        await run_blocking(
+            kubelet.wait_for, lambda: "Unhealthy" in kubelet.devices("example.com/vfio").values()
+        )
+        one_gone = await run_doctor(*args)
+    assert healthy.code == 0
+    assert list(healthy.lines) == [
+        "device /dev/sev-guest",
+        "mount /var/run/pcc",
+        "device /dev/vfio/[0-9]*",
+        PLUGIN_DIR,
+        KUBELET,
+        "plugin example.com/pcc",
+        "plugin example.com/vfio",
+        READYZ,
+    ]
+    assert "2 match, each a character device" in healthy.lines["device /dev/vfio/[0-9]*"]
+    assert "lists 2 devices, 2 Healthy" in healthy.lines["plugin example.com/pcc"]
+    assert "lists 2 devices, 2 Healthy" in healthy.lines["plugin example.com/vfio"]
+    assert one_gone.code == 1
+    assert {check for check, status in one_gone.statuses.items() if status != "PASS"} == {
+        "plugin example.com/vfio"
+    }
+    assert (
+        "lists 2 devices, 1 Healthy; expected 1 device; expected every one Healthy"
+        in (one_gone.lines["plugin example.com/vfio"])
+    )
+
+
+# A PCC directory that is not writable. As root, mode bits alone do not stop the doctor: drop
+# its capabilities (as the hardened overlay does) or make the directory read-only by mounting.
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+async def test_pcc_dir_without_write_permission_fails_for_root_without_capabilities(
+    node: Node,
+) -> None:
+    node.fake.pcc_dir.chmod(0o555)
+    without_capabilities = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]
+    report = await run_doctor(*node.args, wrapper=without_capabilities)
+    assert report.code == 1
+    assert {check for check, status in report.statuses.items() if status != "PASS"} == {PCC_DIR}
+    assert "(mode 0555) is not writable for uid 0" in report.lines[PCC_DIR]
+    assert "chmod u+w /var/run/pcc" in report.lines[PCC_DIR]
+
+
+def _can_unshare_mounts() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False, timeout=10)
+    return probe.returncode == 0
+
+
+needs_mount_namespace = pytest.mark.skipif(
+    not _can_unshare_mounts(), reason="needs root and unshare -m for a private mount namespace"
+)
+
+
+def in_mount_namespace(script: str) -> list[str]:
+    """Run `script` in a private mount namespace, then the command after it."""
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{script} && exec "$@"', "sh"]
+
+
+@needs_mount_namespace
+async def test_pcc_dir_on_a_read_only_filesystem_fails(node: Node) -> None:
+    read_only_tmpfs = f"mount -t tmpfs -o ro tmpfs {node.fake.pcc_dir}"
+    report = await run_doctor(*node.args, wrapper=in_mount_namespace(read_only_tmpfs))
+    assert report.code == 1
+    assert {check for check, status in report.statuses.items() if status != "PASS"} == {PCC_DIR}
+    assert f"is on a read-only filesystem (tmpfs at {node.fake.pcc_dir})" in report.lines[PCC_DIR]
+
+
+def read_only_bind(directory: str) -> str:
+    return f"mount --bind {directory} {directory} && mount -o remount,bind,ro {directory}"
+
+
+@needs_mount_namespace
+async def test_pcc_dir_seen_read_only_through_the_pods_mount_passes(node: Node) -> None:
+    """The manifests mount the host's /var/run read-only at /host/var/run, on purpose."""
+    var_run = node.fake.host_root / "var" / "run"
+    report = await run_doctor(*node.args, wrapper=in_mount_namespace(read_only_bind(str(var_run))))
+    assert report.code == 0
+    assert (
+        f"read-only here only through this container's mount at {var_run}"
+        in (report.lines[PCC_DIR])
+    )
+
+
+@needs_mount_namespace
+async def test_pcc_dir_on_a_read_only_mount_of_the_node_itself_fails(node: Node) -> None:
+    """Without --host-root the doctor looks at the node's own mounts: read-only is read-only."""
+    var_run = node.fake.host_root / "var" / "run"
+    on_the_node = [
+        *node.args,
+        "--host-root=",
+        f"--pcc-device={node.fake.device}",
+        f"--pcc-socket-path={node.fake.pcc_dir}",
+    ]
+    report = await run_doctor(
+        *on_the_node, wrapper=in_mount_namespace(read_only_bind(str(var_run)))
+    )
+    assert report.code == 1
+    pcc_dir = f"socket path {node.fake.pcc_dir}"
+    assert report.statuses[pcc_dir] == "FAIL"
+    assert f"is on a read-only mount at {var_run}" in report.lines[pcc_dir]
+    assert "mount -o remount,bind,rw" in report.lines[pcc_dir]
+
+
+async def test_usage_errors_and_help() -> None:
+    with trio.fail_after(30):
+        bad = await run_doctor("--resource-count=0")
+        helped = await run_doctor("--help")
+    assert bad.code == 2
+    assert bad.stderr.count("\n") == 1
+    assert "--resource-count" in bad.stderr
+    assert helped.code == 0
+    assert helped.stdout.startswith("usage: pcc-device-plugin doctor ")

@@ -1,0 +1,279 @@
+"""/metrics, /livez and /readyz of the daemon, over real HTTP on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import urllib.error
+import urllib.request
+from importlib.metadata import version
+from pathlib import Path
+
+import grpc
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
+from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
+
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
+# Plain urllib, ignoring any proxy settings of the environment: the daemon is on loopback.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _get(url: str) -> tuple[int, str, str]:
+    try:
+        with _OPENER.open(url, timeout=5) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as error:
+        with error:
+            return error.code, error.headers["Content-Type"], error.read().decode()
+
+
+async def get(port: int, path: str) -> tuple[int, str, str]:
+    """Status, content type and body of GET `path`, from an HTTP client independent of ours."""
+    return await run_blocking(_get, f"http://127.0.0.1:{port}{path}")
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(port: int) -> Samples:
+    status, content_type, body = await get(port, "/metrics")
+    assert status == 200
+    assert content_type.startswith("text/plain; version=0.0.4")
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset({"resource": RESOURCE, **labels}.items()))]
+
+
+async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
+    return await run_blocking(daemon.wait_for_log, text, 10.0, count=count)
+
+
+async def metrics_port(daemon: Daemon) -> int:
+    line = await log_line(daemon, "Serving /metrics, /livez and /readyz on 127.0.0.1 port ")
+    return int(line.rsplit(" ", 1)[1])
+
+
+async def registered(daemon: Daemon, kubelet: SimKubelet, count: int = 1) -> None:
+    """Registered `count` times and kubelet's stream open: /readyz then answers 200."""
+    # Logged in the same step that marks the resource registered.
+    await log_line(daemon, "Registered device plugin with Kubelet", count)
+    await run_blocking(kubelet.wait_for, lambda: kubelet.stream_open(RESOURCE), 10.0)
+
+
+async def test_livez_and_readyz_follow_kubelet(
+    fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    fake_node.plugin_dir.mkdir()
+    kubelet_sock = fake_node.plugin_dir / "kubelet.sock"
+    not_ready = f"{RESOURCE}: waiting for kubelet: {kubelet_sock} does not exist\n"
+    with trio.fail_after(30):
+        daemon = start_daemon(*fake_node.daemon_args())
+        port = await metrics_port(daemon)
+        assert await get(port, "/livez") == (200, "text/plain; charset=utf-8", "ok\n")
+        await log_line(daemon, "Waiting for kubelet")
+        assert await get(port, "/readyz") == (503, "text/plain; charset=utf-8", not_ready)
+        assert value(await scrape(port), "pcc_device_plugin_ready") == 0
+        with SimKubelet(fake_node.plugin_dir) as kubelet:
+            await registered(daemon, kubelet)
+            assert await get(port, "/readyz") == (200, "text/plain; charset=utf-8", "ok\n")
+            assert value(await scrape(port), "pcc_device_plugin_ready") == 1
+        await log_line(daemon, "Waiting for kubelet", count=2)
+        assert await get(port, "/readyz") == (503, "text/plain; charset=utf-8", not_ready)
+        assert (await get(port, "/livez"))[0] == 200
+        status, _, body = await get(port, "/nothing-here")
+        assert status == 404
+        assert "/metrics" in body
+
+
+def _open_list_and_watch(socket_path: Path) -> tuple[grpc.Channel, grpc.Future]:
+    """A second ListAndWatch stream, as a tool would open; returns once the first list came."""
+    channel = grpc.insecure_channel(f"unix:{socket_path}")
+    stream = channel.unary_stream(
+        "/v1beta1.DevicePlugin/ListAndWatch",
+        request_serializer=pb.Empty.SerializeToString,
+        response_deserializer=pb.ListAndWatchResponse.FromString,
+    )(pb.Empty(), timeout=10)
+    next(stream)
+    return channel, stream
+
+
+async def test_metrics_count_what_the_daemon_does(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(40):
+        daemon = start_daemon(*fake_node.daemon_args())
+        port = await metrics_port(daemon)
+        await registered(daemon, kubelet)
+        samples = await scrape(port)
+        assert value(samples, "pcc_device_plugin_registrations_total", cause="start") == 1
+        assert value(samples, "pcc_device_plugin_kubelet_restarts_total") == 0
+        for result in ("ok", "invalid", "unavailable"):
+            assert value(samples, "pcc_device_plugin_allocations_total", result=result) == 0
+        assert value(samples, "pcc_device_plugin_devices", health="Healthy") == 16
+        assert value(samples, "pcc_device_plugin_devices", health="Unhealthy") == 0
+        assert value(samples, "pcc_device_plugin_list_and_watch_streams") == 1
+        assert value(samples, "pcc_device_plugin_ready") == 1
+        build = (
+            "pcc_device_plugin_build_info",
+            frozenset({"version": version("pcc-device-plugin")}.items()),
+        )
+        assert samples[build] == 1
+        for name in (
+            "process_resident_memory_bytes",
+            "process_virtual_memory_bytes",
+            "process_cpu_seconds_total",
+            "process_open_fds",
+            "process_max_fds",
+            "process_start_time_seconds",
+        ):
+            assert samples[(name, frozenset())] > 0, name
+
+        # Allocate: ok, invalid (an unknown device), unavailable (the device gone).
+        await run_blocking(kubelet.allocate, RESOURCE, [["pcc-0"]])
+        with pytest.raises(grpc.RpcError, match="unknown device IDs"):
+            await run_blocking(kubelet.allocate, RESOURCE, [["gpu-0"]])
+        fake_node.device.unlink()
+        await run_blocking(
+            kubelet.wait_for,
+            lambda: set(kubelet.devices(RESOURCE).values()) == {"Unhealthy"},
+            10.0,
+        )
+        with pytest.raises(grpc.RpcError, match="unhealthy"):
+            await run_blocking(kubelet.allocate, RESOURCE, [["pcc-1"]])
+        samples = await scrape(port)
+        for result in ("ok", "invalid", "unavailable"):
+            assert value(samples, "pcc_device_plugin_allocations_total", result=result) == 1
+        assert value(samples, "pcc_device_plugin_devices", health="Healthy") == 0
+        assert value(samples, "pcc_device_plugin_devices", health="Unhealthy") == 16
+        fake_node.device.symlink_to("/dev/null")
+        await run_blocking(
+            kubelet.wait_for,
+            lambda: set(kubelet.devices(RESOURCE).values()) == {"Healthy"},
+            10.0,
+        )
+
+        # A tool's stream counts too, and is not taken for kubelet's.
+        endpoint = kubelet.registrations[-1].endpoint
+        channel, stream = await run_blocking(_open_list_and_watch, fake_node.plugin_dir / endpoint)
+        try:
+            assert value(await scrape(port), "pcc_device_plugin_list_and_watch_streams") == 2
+        finally:
+            stream.cancel()
+            channel.close()
+        await log_line(daemon, "ListAndWatch stream opened", count=2)
+        assert daemon.log_text().count("ListAndWatch stream opened (kubelet's)") == 1
+
+        # A kubelet restart: registered again, one more registration.
+        await run_blocking(kubelet.restart)
+        await registered(daemon, kubelet, count=2)
+        samples = await scrape(port)
+        registrations = {
+            dict(labels)["cause"]: count
+            for (name, labels), count in samples.items()
+            if name == "pcc_device_plugin_registrations_total"
+        }
+        assert sum(registrations.values()) == 2
+        assert registrations["start"] == 1
+        assert value(samples, "pcc_device_plugin_list_and_watch_streams") == 1
+
+        await run_blocking(kubelet.stop)
+        await log_line(daemon, "Waiting for kubelet")
+        samples = await scrape(port)
+        assert value(samples, "pcc_device_plugin_list_and_watch_streams") == 0
+        assert value(samples, "pcc_device_plugin_ready") == 0
+
+
+async def test_every_kubelet_restart_is_counted_and_named(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    restarts = 10
+    with trio.fail_after(60):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        port = await metrics_port(daemon)
+        await registered(daemon, kubelet)
+        for restart in range(restarts):
+            await run_blocking(kubelet.restart)
+            await registered(daemon, kubelet, count=restart + 2)
+        samples = await scrape(port)
+    assert value(samples, "pcc_device_plugin_kubelet_restarts_total") == restarts
+    assert (
+        value(samples, "pcc_device_plugin_registrations_total", cause="kubelet restarted")
+        == restarts
+    )
+
+
+async def test_a_port_in_use_is_one_warning_and_the_plugin_still_registers(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    with socket.socket() as taken, trio.fail_after(30):
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        daemon = start_daemon(*fake_node.daemon_args(), f"--metrics-bind-address={address}")
+        await registered(daemon, kubelet)
+        assert await run_blocking(kubelet.allocate, RESOURCE, [["pcc-0"]])
+    warnings = [line for line in daemon.log_text().splitlines() if re.match(r"W\d{4} ", line)]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].endswith(
+        f"Metrics and probes are off: cannot listen on {address}: Address already in use"
+    )
+    assert "Serving /metrics" not in daemon.log_text()
+
+
+def tcp_sockets(pid: int) -> list[tuple[str, str]]:
+    """(local address, state) of each TCP socket the process holds; state 0A is LISTEN."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target.removeprefix("socket:[").removesuffix("]"))
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                found.append((fields[1], fields[3]))
+    return found
+
+
+@pytest.mark.parametrize("bind_address", ["", "127.0.0.1:0"], ids=["metrics off", "metrics on"])
+async def test_the_metrics_library_and_listener_exist_only_when_metrics_are_on(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon, bind_address: str
+) -> None:
+    with trio.fail_after(30):
+        # Python reports each import on stderr, which goes to the log.
+        daemon = start_daemon(
+            *fake_node.daemon_args(),
+            f"--metrics-bind-address={bind_address}",
+            env={"PYTHONPROFILEIMPORTTIME": "1"},
+        )
+        await registered(daemon, kubelet)
+        log = daemon.log_text()
+        imported = {
+            match.group(1) for match in re.finditer(r"^import time:.*\|\s+(\S+)$", log, re.M)
+        }
+        assert "trio" in imported
+        listeners = tcp_sockets(daemon.pid)
+    if bind_address:
+        assert {"prometheus_client", "pcc_plugin.metrics"} <= imported
+        assert [state for _, state in listeners] == ["0A"]
+    else:
+        assert not imported & {"prometheus_client", "pcc_plugin.metrics"}
+        assert listeners == []
+        # Not a word about metrics: no serving line, and no warning either.
+        assert "/metrics" not in log
+        assert "Metrics and probes" not in log
