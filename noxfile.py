@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import os
+import re
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -44,6 +49,13 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session
+def demo(session: nox.Session) -> None:
+    """The daemon against the simulated kubelet on a fake node, told in plain words."""
+    install_dev(session)
+    session.run("python", "-m", "pcc_plugin.sim.demo")
+
+
+@nox.session
 def protos(session: nox.Session) -> None:
     """Regenerate pcc_plugin/_proto and pcc_plugin/sim/_pb from protos/."""
     install_dev(session)
@@ -67,3 +79,181 @@ def lock(session: nox.Session) -> None:
         *common, "pyproject.toml", "--extra", "sim", "requirements/dev.in",
         "-o", "requirements/dev.txt", external=True,
     )  # fmt: skip
+
+
+# Shipping: manifests, Containerfile, image (issues 3 and 7).
+
+IMAGE_ARCHES = ("x86_64", "aarch64", "ppc64le", "s390x")
+IMAGE_CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin"))
+BASE_SUITE = "bookworm"
+BASE_PACKAGES = "python3,python3-venv"
+DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+EXTRA_CAS = Path("/usr/local/share/ca-certificates")
+
+
+@nox.session
+def manifests(session: nox.Session) -> None:
+    """Render, validate and check manifests/ and docs/deploy.md; lint the Containerfile.
+
+    Every kustomization is rendered by `kubectl kustomize` and validated offline against the
+    Kubernetes schemas (tests/test_manifests.py states the versions); hadolint runs on the
+    Containerfile; every locked runtime dependency must have a wheel for each image architecture.
+    """
+    if shutil.which("kubectl") is None:
+        session.error(
+            "nox -s manifests needs kubectl (Debian package kubectl; .ci/run installs it)"
+        )
+    install_dev(session)
+    session.run("kubectl", "version", "--client", external=True)
+    session.run(
+        "pytest", "tests/test_manifests.py", *session.posargs, env={"PCC_REQUIRE_KUBECTL": "1"}
+    )
+    session.run("hadolint", "Containerfile")
+    # The same exceptions to "wheels only" as the Containerfile's pip install makes.
+    from_source = re.findall(r"--no-binary=(\S+)", (ROOT / "Containerfile").read_text())
+    for arch in IMAGE_ARCHES:
+        session.log(f"{arch}-manylinux_2_28: wheels for every runtime dependency but {from_source}")
+        session.run(
+            _uv(), "pip", "compile", "--quiet", "--no-deps", "--only-binary", ":all:",
+            *(f"--no-binary={name}" for name in from_source),
+            "--python-version", LOCK_PYTHON, "--python-platform", f"{arch}-manylinux_2_28",
+            "requirements/runtime.txt", "-o", os.devnull, external=True,
+        )  # fmt: skip
+
+
+def _uv() -> str:
+    """uv on PATH, or the one installed beside nox (pipx, `pip install nox uv`)."""
+    found = shutil.which("uv")
+    if found:
+        return found
+    uv_bin: str = importlib.import_module("uv").find_uv_bin()
+    return uv_bin
+
+
+def _podman_images() -> set[str]:
+    listing = subprocess.run(
+        ["podman", "images", "--all", "--quiet", "--no-trunc"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return set(listing.stdout.split())
+
+
+def _unmount_below(path: Path) -> None:
+    """Unmount whatever a failed debootstrap left mounted inside `path` (its /proc, /sys)."""
+    with open("/proc/self/mounts") as mounts:
+        targets = [line.split()[1] for line in mounts]
+    for target in sorted(targets, key=len, reverse=True):
+        if Path(target).is_relative_to(path):
+            subprocess.run(["umount", "--lazy", target], check=False)
+
+
+def local_base_image(session: nox.Session) -> str:
+    """Debian minbase with python3 and venv, imported into podman; cached on this machine.
+
+    The debootstrap tree is kept as a tarball in IMAGE_CACHE and the imported image in podman's
+    store, both keyed by the recipe. This machine's extra CA certificates go into the base, so
+    that pip inside `podman build` trusts what the host trusts (here a TLS-inspecting proxy);
+    the image never leaves the machine.
+    """
+    cas = sorted(EXTRA_CAS.glob("**/*.crt"))
+    digest = hashlib.sha256(f"v1 {BASE_SUITE} minbase {BASE_PACKAGES}".encode())
+    for ca in cas:
+        digest.update(ca.read_bytes())
+    key = f"{BASE_SUITE}-{digest.hexdigest()[:12]}"
+    ref = f"localhost/pcc-device-plugin-base:{key}"
+    if subprocess.run(["podman", "image", "exists", ref], check=False).returncode == 0:
+        session.log(f"base image {ref}: cached")
+        return ref
+    IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
+    tarball = IMAGE_CACHE / f"base-{key}.tar"
+    if not tarball.exists():
+        with tempfile.TemporaryDirectory(dir=IMAGE_CACHE) as tmp:
+            rootfs = Path(tmp) / "rootfs"
+            try:
+                session.run(
+                    "debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}",
+                    BASE_SUITE, str(rootfs), external=True, silent=True,
+                )  # fmt: skip
+                for ca in cas:
+                    shutil.copy(ca, rootfs / "usr/local/share/ca-certificates" / ca.name)
+                if cas:
+                    session.run(
+                        "chroot", str(rootfs), "update-ca-certificates", external=True, silent=True
+                    )
+                for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+                    for entry in (rootfs / cache).glob("*"):
+                        if entry.is_file():
+                            entry.unlink()
+                partial = Path(tmp) / "base.tar"
+                session.run(
+                    "tar", "--numeric-owner", "--exclude=./dev/*", "--exclude=./proc/*",
+                    "--exclude=./sys/*", "-C", str(rootfs), "-cf", str(partial), ".",
+                    external=True,
+                )  # fmt: skip
+                os.replace(partial, tarball)
+            finally:
+                _unmount_below(rootfs)
+        for stale in IMAGE_CACHE.glob("base-*.tar"):
+            if stale != tarball:
+                stale.unlink()
+    session.run(
+        "podman",
+        "import",
+        "--change",
+        f"ENV PATH={DEBIAN_PATH}",
+        str(tarball),
+        ref,
+        external=True,
+        silent=True,
+    )
+    return ref
+
+
+@nox.session
+def image(session: nox.Session) -> None:
+    """Build the image from the Containerfile on a local Debian base, check it, start it.
+
+    Only BASE_IMAGE is overridden. tests/test_image.py checks the image's contents and starts
+    the plugin from its filesystem against the simulated kubelet. Every image this session
+    builds is removed at the end, failed or not; the base stays cached.
+    """
+    missing = [
+        tool
+        for tool in ("podman", "debootstrap", "unshare", "chroot", "kubectl")
+        if shutil.which(tool) is None
+    ]
+    if os.geteuid() != 0 or missing:
+        session.error(
+            "nox -s image needs root and podman, debootstrap, unshare, chroot, kubectl "
+            f"(.ci/run installs them); missing: {', '.join(missing) or 'root'}"
+        )
+    install_dev(session)
+    base = local_base_image(session)
+    tag = f"localhost/pcc-device-plugin:nox-{os.getpid()}"
+    before = _podman_images()
+    try:
+        session.run(
+            "podman", "build", "--isolation=chroot", "--pull=never",
+            "--build-arg", f"BASE_IMAGE={base}", "--tag", tag, "--file", "Containerfile", ".",
+            external=True,
+        )  # fmt: skip
+        for ref in (base, tag):
+            size = subprocess.run(
+                ["podman", "image", "inspect", "--format", "{{.Size}}", ref],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            session.log(f"image size: {ref}: {int(size) / 1e6:.0f} MB")
+        session.run(
+            "pytest",
+            "tests/test_image.py",
+            *session.posargs,
+            env={"PCC_IMAGE": tag, "PCC_REQUIRE_KUBECTL": "1"},
+        )
+    finally:
+        created = _podman_images() - before
+        if created:
+            subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)

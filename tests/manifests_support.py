@@ -1,0 +1,156 @@
+"""Rendering and reading the shipped manifests for tests: kubectl kustomize, YAML, paths.
+
+Every kustomization under manifests/ is rendered with ``kubectl kustomize`` (the kustomize built
+into kubectl, as operators run it). Without kubectl the tests that need it are skipped with the
+reason, except under CI (``CI`` set) or ``nox -s manifests`` (``PCC_REQUIRE_KUBECTL=1``), where
+a missing kubectl fails them: the checks must really run there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFESTS = ROOT / "manifests"
+
+# Offline schema validation (kubernetes-validate, strict: unknown fields are errors) covers
+# every Kubernetes minor version in this range; docs/deploy.md states the same range.
+OLDEST_KUBERNETES = (1, 25)
+NEWEST_KUBERNETES = (1, 37)
+KUBERNETES_VERSIONS = tuple(
+    f"{OLDEST_KUBERNETES[0]}.{minor}.0"
+    for minor in range(OLDEST_KUBERNETES[1], NEWEST_KUBERNETES[1] + 1)
+)
+
+NAME = "pcc-device-plugin"
+NAMESPACE = "kube-system"
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
+NODE_LABEL = "tke.cloud.tencent.com/pcc-device-plugin"
+PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+HOST_ROOT = "/host"
+DEVICE = "/dev/sev-guest"
+PCC_DIR = "/var/run/pcc"
+DEFAULT_IMAGE = "localhost/pcc-device-plugin"
+
+Obj = dict[str, Any]
+
+
+def project_version() -> str:
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        version: str = tomllib.load(file)["project"]["version"]
+    return version
+
+
+def kustomizations() -> list[str]:
+    """Every directory under manifests/ that kubectl kustomize can build, relative to the root.
+
+    Components (kind: Component) build only as part of another kustomization.
+    """
+    found = []
+    for path in sorted(MANIFESTS.rglob("kustomization.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if data.get("kind", "Kustomization") == "Kustomization":
+            found.append(path.parent.relative_to(ROOT).as_posix())
+    return found
+
+
+def components() -> list[str]:
+    return sorted(
+        path.parent.relative_to(ROOT).as_posix()
+        for path in MANIFESTS.rglob("kustomization.yaml")
+        if yaml.safe_load(path.read_text()).get("kind") == "Component"
+    )
+
+
+def kubectl() -> str:
+    """kubectl's path; skips the test without it, or fails it where the checks must run."""
+    found = shutil.which("kubectl")
+    if found:
+        return found
+    message = (
+        "kubectl is not installed: the manifest checks render with `kubectl kustomize` "
+        "(Debian package kubectl; .ci/run installs it)"
+    )
+    if os.environ.get("CI") or os.environ.get("PCC_REQUIRE_KUBECTL"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@functools.cache
+def _render(directory: str) -> str:
+    result = subprocess.run(
+        [kubectl(), "kustomize", directory],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"kubectl kustomize {directory} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def render(directory: str) -> list[Obj]:
+    """The objects ``kubectl kustomize DIRECTORY`` prints (a fresh copy on every call)."""
+    return [obj for obj in yaml.safe_load_all(_render(directory)) if obj is not None]
+
+
+def the(objects: list[Obj], kind: str, name: str | None = None) -> Obj:
+    matches = [
+        obj
+        for obj in objects
+        if obj["kind"] == kind and (name is None or obj["metadata"]["name"] == name)
+    ]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
+    return matches[0]
+
+
+def daemonsets(directory: str) -> list[Obj]:
+    return [obj for obj in render(directory) if obj["kind"] == "DaemonSet"]
+
+
+def plugin_container(daemonset: Obj) -> Obj:
+    containers: list[Obj] = daemonset["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == [NAME]
+    return containers[0]
+
+
+def flag(container: Obj, name: str, default: str) -> str:
+    """The value of ``--name=value`` in the container's args (the form the manifests use)."""
+    values = [
+        arg.split("=", 1)[1] for arg in container.get("args", []) if arg.startswith(f"--{name}=")
+    ]
+    assert len(values) <= 1, f"--{name} given {len(values)} times"
+    return values[0] if values else default
+
+
+def host_mounts(daemonset: Obj) -> Iterator[tuple[Obj, Obj]]:
+    """(volumeMount, hostPath volume source) for each of the container's hostPath mounts."""
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"].get("volumes", [])}
+    for mount in plugin_container(daemonset).get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        if "hostPath" in volume:
+            yield mount, volume["hostPath"]
+
+
+def mount_showing(daemonset: Obj, container_path: str) -> tuple[Obj, Obj]:
+    """The hostPath mount through which the container sees ``container_path`` (deepest wins)."""
+    target = PurePosixPath(container_path)
+    covering = [
+        (mount, source)
+        for mount, source in host_mounts(daemonset)
+        if PurePosixPath(mount["mountPath"]) in (target, *target.parents)
+    ]
+    assert covering, f"no hostPath mount shows {container_path} in the container"
+    return max(covering, key=lambda pair: len(PurePosixPath(pair[0]["mountPath"]).parts))

@@ -1,0 +1,297 @@
+"""The built image, checked from its filesystem, and the plugin started from it.
+
+``nox -s image`` builds the image on a local Debian base and runs this file with ``PCC_IMAGE``
+set to it; elsewhere these tests skip. They need root, podman, ``unshare`` and ``chroot``:
+``podman run`` cannot start containers in this sandbox, so the plugin is started the way a
+container runtime would start it, by hand. In private mount and network namespaces (the mounts
+vanish with the last process, even when a test fails) the image's root filesystem is made
+read-only as the hardened overlay asks, gets /proc and a small /dev, and every hostPath volume
+of the rendered hardened DaemonSet is bind-mounted where the manifest mounts it, from a fake
+host; the entry point then runs under ``chroot --userspec`` as the image's user, with exactly
+the image's environment.
+
+What is checked inside the image (``test_nothing_but_the_plugin``): no compiler or build tool on
+the image's PATH (cc, gcc, g++, c++, clang, cpp, make, ld, as); no pip, setuptools or wheel in
+the plugin's virtual environment; no build stage leftovers (/src, /dist, /opt/build); no tests
+directory, no VCS data (.git) under /opt, no pip or uv cache, no wheel files outside the base's
+/usr/share/python-wheels, no apt package cache; and the simulated kubelet's dependencies (grpc,
+protobuf) not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from manifests_support import (
+    NAME,
+    PLUGIN_DIR,
+    RESOURCE,
+    Obj,
+    daemonsets,
+    flag,
+    host_mounts,
+    plugin_container,
+    project_version,
+)
+
+from pcc_plugin.sim import Daemon, FakeNode, SimKubelet
+
+IMAGE = os.environ.get("PCC_IMAGE", "")
+pytestmark = pytest.mark.skipif(
+    not IMAGE, reason="runs in `nox -s image`, which builds the image (needs root and podman)"
+)
+
+VENV = "/opt/pcc-device-plugin"
+ENTRY_POINT = f"{VENV}/bin/pcc-device-plugin"
+DEPLOYMENT = "manifests/overlays/hardened"
+BUILD_TOOLS = ("cc", "gcc", "g++", "c++", "clang", "cpp", "make", "ld", "as")
+SHARES = 16
+
+
+def run(*argv: str, timeout: float = 60) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    assert result.returncode == 0, (
+        f"{shlex.join(argv)} exited {result.returncode}:\n{result.stderr}"
+    )
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def config() -> Obj:
+    inspected = json.loads(run("podman", "image", "inspect", IMAGE))
+    image_config: Obj = inspected[0]["Config"]
+    return image_config
+
+
+@pytest.fixture(scope="module")
+def rootfs() -> Iterator[Path]:
+    """The root filesystem of a container created (never started) from the image.
+
+    Like a runtime's, it is writable until the start test makes it read-only, so mount points
+    can be made in it; podman removes it with the container.
+    """
+    container = f"pcc-image-test-{os.getpid()}"
+    run("podman", "create", "--name", container, IMAGE)
+    try:
+        yield Path(run("podman", "mount", container).strip())
+    finally:
+        subprocess.run(["podman", "umount", container], capture_output=True, check=False)
+        subprocess.run(["podman", "rm", "--force", container], capture_output=True, check=False)
+
+
+def user_spec(config: Obj) -> str:
+    user = config.get("User") or "0"
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit(), f"the image's USER {user!r} must be numeric for chroot --userspec"
+    return f"{uid}:{gid or uid}"
+
+
+def image_argv(config: Obj, rootfs: Path, *args: str) -> list[str]:
+    """The entry point under chroot, as the image's user, with only the image's environment."""
+    chroot = shutil.which("chroot")
+    assert chroot, "chroot (coreutils) is not installed"
+    return [
+        "env",
+        "-i",
+        *config.get("Env", []),
+        chroot,
+        f"--userspec={user_spec(config)}",
+        str(rootfs),
+        *config["Entrypoint"],
+        *args,
+    ]
+
+
+def test_metadata(config: Obj) -> None:
+    assert config["User"] == "0"
+    assert config["Entrypoint"] == [ENTRY_POINT]
+    labels = config["Labels"]
+    assert labels["org.opencontainers.image.version"] == project_version()
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+    assert labels["org.opencontainers.image.title"] == NAME
+
+
+def test_entry_point_help(config: Obj, rootfs: Path) -> None:
+    output = run(*image_argv(config, rootfs, "--help"))
+    assert output.startswith("usage: pcc-device-plugin")
+    for option in ("--pcc-device", "--pcc-socket-path", "--resource-name", "--resource-count"):
+        assert option in output
+    for option in ("--device-plugin-path", "--host-root", "--v"):
+        assert option in output
+
+
+IMPORT_ALL = """
+import importlib, pkgutil, pcc_plugin
+names = [m.name for m in pkgutil.iter_modules(pcc_plugin.__path__)]
+# The simulated kubelet is test code: .containerignore keeps it out of the image.
+assert "sim" not in names, names
+# __main__ would start the daemon.
+names = [n for n in names if n != "__main__"]
+for name in names:
+    importlib.import_module("pcc_plugin." + name)
+import yaml
+print(len(names), "with_libyaml=%s" % yaml.__with_libyaml__)
+"""
+
+
+def test_every_daemon_module_imports(config: Obj, rootfs: Path) -> None:
+    """All runtime dependencies are there for this platform, PyYAML's source build included."""
+    python = f"{VENV}/bin/python"
+    argv = image_argv({**config, "Entrypoint": [python]}, rootfs, "-c", IMPORT_ALL)
+    count, libyaml = run(*argv).split()
+    assert int(count) >= 5
+    # Built from its sdist without a compiler: pure Python, as on every architecture.
+    assert libyaml == "with_libyaml=False"
+
+
+def test_nothing_but_the_plugin(config: Obj, rootfs: Path) -> None:
+    path = next(e.split("=", 1)[1] for e in config["Env"] if e.startswith("PATH="))
+    found = [
+        f"{directory}/{tool}"
+        for directory in path.split(":")
+        for tool in BUILD_TOOLS
+        if os.path.lexists(f"{rootfs}{directory}/{tool}")
+    ]
+    assert not found, f"build tools in the image: {found}"
+    (site,) = (rootfs / VENV.lstrip("/")).glob("lib/python3*/site-packages")
+    for package in ("pip", "setuptools", "wheel", "tests", "grpc", "google"):
+        assert not (site / package).exists(), package
+    assert not list((rootfs / VENV.lstrip("/") / "bin").glob("pip*"))
+    for leftover in ("src", "dist", "opt/build", "root/.cache"):
+        assert not (rootfs / leftover).exists(), leftover
+    assert not list((rootfs / "var/cache/apt/archives").glob("*.deb"))
+    assert not list((rootfs / "opt").rglob(".git"))
+    wheels = [
+        p for p in rootfs.rglob("*.whl") if not p.is_relative_to(rootfs / "usr/share/python-wheels")
+    ]
+    assert not wheels
+
+
+def test_size(rootfs: Path) -> None:
+    venv = rootfs / VENV.lstrip("/")
+    size = sum(p.stat().st_size for p in venv.rglob("*") if p.is_file() and not p.is_symlink())
+    # About 20 MiB when measured; the base is most of the rest (nox -s image prints both sizes).
+    assert size < 40 * 2**20, f"the plugin's environment holds {size / 2**20:.1f} MiB"
+
+
+def hardened_daemonset() -> Obj:
+    (found,) = daemonsets(DEPLOYMENT)
+    return found
+
+
+def container_start_script(
+    daemonset: Obj, rootfs: Path, host_root: Path, argv: list[str]
+) -> list[str]:
+    """Mount what the manifest mounts, from the fake host, then exec ``argv`` (the entry point).
+
+    Runs in private mount and network namespaces: nothing here is seen outside or outlives it.
+    """
+    container = plugin_container(daemonset)
+    context = container["securityContext"]
+    steps = ["set -eu", f"root={shlex.quote(str(rootfs))}"]
+    mounts = [
+        (m["mountPath"], s["path"], m.get("readOnly", False)) for m, s in host_mounts(daemonset)
+    ]
+    for mount_path, _, _ in mounts:
+        (rootfs / mount_path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    if context.get("readOnlyRootFilesystem"):
+        steps += ['mount --bind "$root" "$root"', 'mount -o remount,bind,ro "$root"']
+    steps += [
+        'mount -t proc proc "$root/proc"',
+        'mount -t tmpfs -o nosuid,mode=755 tmpfs "$root/dev"',
+        "for node in null zero full random urandom tty; do "
+        ': > "$root/dev/$node"; mount --bind "/dev/$node" "$root/dev/$node"; done',
+    ]
+    for mount_path, host_path, read_only in mounts:
+        source = host_root / host_path.lstrip("/")
+        # kubelet's check for hostPath type Directory, which the manifests use throughout.
+        assert source.is_dir(), f"FailedMount: {host_path} is not a directory on the fake host"
+        target = f'"$root"{shlex.quote(mount_path)}'
+        steps.append(f"mount --bind {shlex.quote(str(source))} {target}")
+        if read_only:
+            steps.append(f"mount -o remount,bind,ro {target}")
+    steps.append(f"exec {shlex.join(argv)}")
+    # --net: a network namespace of its own, as the pod has (no hostNetwork), so the metrics
+    # port cannot clash with the machine's; kubelet's unix sockets are reached by path.
+    command = "\n".join(steps)
+    return ["unshare", "--mount", "--net", "--propagation", "private", "sh", "-c", command]
+
+
+@pytest.fixture
+def fake_host() -> Iterator[FakeNode]:
+    """/dev/sev-guest (a symlink to /dev/null) and /var/run/pcc under a fake host root."""
+    node = FakeNode.create()
+    yield node
+    node.remove()
+
+
+def start_from_image(
+    config: Obj, rootfs: Path, node: FakeNode, log_path: Path
+) -> tuple[Daemon, Obj]:
+    daemonset = hardened_daemonset()
+    container = plugin_container(daemonset)
+    assert user_spec(config) == "{0}:{0}".format(container["securityContext"]["runAsUser"])
+    argv = image_argv(config, rootfs, *container["args"])
+    return Daemon(
+        container_start_script(daemonset, rootfs, node.host_root, argv), log_path
+    ), container
+
+
+def test_plugin_registers_allocates_and_stops(
+    config: Obj, rootfs: Path, fake_host: FakeNode, tmp_path: Path
+) -> None:
+    plugin_dir = fake_host.host_root / PLUGIN_DIR.lstrip("/")
+    kubelet = SimKubelet(plugin_dir)
+    kubelet.start()
+    daemon, container = start_from_image(config, rootfs, fake_host, tmp_path / "plugin.log")
+    try:
+        assert flag(container, "device-plugin-path", PLUGIN_DIR) == PLUGIN_DIR
+        daemon.wait_for_log("Registered device plugin with Kubelet", timeout=60)
+        kubelet.wait_for(
+            lambda: list(kubelet.devices(RESOURCE).values()) == ["Healthy"] * SHARES, timeout=30
+        )
+        (registration,) = kubelet.registrations
+        assert registration.accepted
+        assert registration.resource_name == RESOURCE
+        own_socket = plugin_dir / registration.endpoint
+        assert stat.S_ISSOCK(own_socket.stat().st_mode)
+
+        device_id = sorted(kubelet.devices(RESOURCE))[0]
+        (response,) = kubelet.allocate(RESOURCE, [[device_id]]).container_responses
+        # kubelet is given the host's paths, not the ones under the plugin's --host-root.
+        assert [(d.container_path, d.host_path, d.permissions) for d in response.devices] == [
+            ("/dev/sev-guest", "/dev/sev-guest", "rw")
+        ]
+        assert [(m.container_path, m.host_path, m.read_only) for m in response.mounts] == [
+            ("/var/run/pcc", "/var/run/pcc", False)
+        ]
+
+        assert daemon.terminate(signal.SIGTERM, timeout=30) == 0
+        assert not own_socket.exists()
+    finally:
+        daemon.close()
+        kubelet.stop()
+
+
+def test_missing_device_ends_in_the_documented_log(
+    config: Obj, rootfs: Path, fake_host: FakeNode, tmp_path: Path
+) -> None:
+    fake_host.device.unlink()
+    plugin_dir = fake_host.host_root / PLUGIN_DIR.lstrip("/")
+    plugin_dir.mkdir(parents=True)
+    daemon, _ = start_from_image(config, rootfs, fake_host, tmp_path / "plugin.log")
+    try:
+        line = daemon.wait_for_log("detect device", timeout=60)
+        assert "detect device /host/dev/sev-guest failed: No such file or directory" in line
+        assert daemon.proc.wait(30) == 1
+    finally:
+        daemon.close()

@@ -1,0 +1,547 @@
+"""What operators install: the rendered manifests, the Containerfile, and the deploy docs.
+
+The manifests are checked as ``kubectl kustomize`` renders them, so that an edit to a base, an
+overlay or a patch cannot silently drop the node selector, the mounts, the requests or the
+hardened settings. Every rendered object is validated offline against the Kubernetes schemas of
+each minor version from OLDEST_KUBERNETES to NEWEST_KUBERNETES. ``nox -s manifests`` runs this
+file (and hadolint); without kubectl these tests skip, except under CI where they fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import tomllib
+from pathlib import PurePosixPath
+
+import pytest
+import yaml
+from manifests_support import (
+    DEFAULT_IMAGE,
+    DEVICE,
+    HOST_ROOT,
+    KUBERNETES_VERSIONS,
+    NAME,
+    NAMESPACE,
+    NEWEST_KUBERNETES,
+    NODE_LABEL,
+    OLDEST_KUBERNETES,
+    PCC_DIR,
+    PLUGIN_DIR,
+    RESOURCE,
+    ROOT,
+    Obj,
+    components,
+    daemonsets,
+    flag,
+    host_mounts,
+    kubectl,
+    kustomizations,
+    mount_showing,
+    plugin_container,
+    project_version,
+    render,
+    the,
+)
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+# Every kustomization, by what it deploys. A new one must be added here, so that the invariants
+# below apply to it.
+PRIVILEGED = ["manifests/base", "manifests/examples/custom-image"]
+HARDENED = ["manifests/overlays/hardened", "manifests/examples/hardened-pcc-dir-only"]
+PLUGIN = PRIVILEGED + HARDENED
+# Deployments that mount only the PCC directory itself (manifests/components/pcc-dir-only): the
+# trade-off is written down there and in docs/deploy.md.
+PCC_DIR_ONLY = ["manifests/examples/hardened-pcc-dir-only"]
+APPS = ["manifests/examples/confidential-app"]
+
+CONTAINERFILE = ROOT / "Containerfile"
+DOCS = ROOT / "docs" / "deploy.md"
+LABELS = ("name", "component", "part-of", "version", "managed-by")
+
+
+def daemonset(directory: str) -> Obj:
+    (found,) = daemonsets(directory)
+    return found
+
+
+def pod_spec(directory: str) -> Obj:
+    spec: Obj = daemonset(directory)["spec"]["template"]["spec"]
+    return spec
+
+
+def is_proper_ancestor(parent: str, path: str) -> bool:
+    return PurePosixPath(parent) in PurePosixPath(path).parents
+
+
+# Rendering and schemas
+
+
+def test_every_kustomization_is_classified() -> None:
+    assert sorted(kustomizations()) == sorted(PLUGIN + APPS)
+
+
+@pytest.mark.parametrize("directory", PLUGIN + APPS)
+def test_renders(directory: str) -> None:
+    objects = render(directory)
+    assert objects
+    for obj in objects:
+        assert obj["apiVersion"]
+        assert obj["kind"]
+        assert obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize("directory", PLUGIN + APPS)
+def test_validates_against_kubernetes_schemas(directory: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    failures = []
+    for version in KUBERNETES_VERSIONS:
+        for obj in render(directory):
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except Exception as exc:  # collect the failures of every version
+                name = f"{obj['kind']}/{obj['metadata']['name']}"
+                failures.append(f"Kubernetes {version}, {name}: {str(exc).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_every_component_is_used() -> None:
+    used: set[str] = set()
+    for directory in kustomizations():
+        text = (ROOT / directory / "kustomization.yaml").read_text()
+        data: Obj = yaml.safe_load(text)
+        for component in data.get("components", []):
+            used.add((ROOT / directory / component).resolve().relative_to(ROOT).as_posix())
+    assert set(components()) <= used
+
+
+# The plugin's DaemonSet, in every deployment
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_objects_and_no_api_access(directory: str) -> None:
+    objects = render(directory)
+    assert sorted((obj["kind"], obj["metadata"]["name"]) for obj in objects) == [
+        ("DaemonSet", NAME),
+        ("ServiceAccount", NAME),
+    ]
+    for obj in objects:
+        assert obj["metadata"]["namespace"] == NAMESPACE
+    account = the(objects, "ServiceAccount", NAME)
+    assert account["automountServiceAccountToken"] is False
+    spec = pod_spec(directory)
+    assert spec["serviceAccountName"] == NAME
+    assert spec["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_scheduling(directory: str) -> None:
+    ds = daemonset(directory)
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {NODE_LABEL: "true"}
+    assert spec["priorityClassName"] == "system-node-critical"
+    # Tolerates every taint: the node selector alone decides where it runs.
+    assert {"operator": "Exists"} in spec["tolerations"]
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1},
+    }
+    for host_namespace in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not spec.get(host_namespace), host_namespace
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_labels(directory: str) -> None:
+    version = project_version()
+    ds = daemonset(directory)
+    account = the(render(directory), "ServiceAccount", NAME)
+    expected = {
+        "app.kubernetes.io/name": NAME,
+        "app.kubernetes.io/component": "device-plugin",
+        "app.kubernetes.io/part-of": NAME,
+        "app.kubernetes.io/version": version,
+        "app.kubernetes.io/managed-by": "kustomize",
+    }
+    for labels in (
+        ds["metadata"]["labels"],
+        ds["spec"]["template"]["metadata"]["labels"],
+        account["metadata"]["labels"],
+    ):
+        assert {key: labels.get(key) for key in expected} == expected
+    selector = ds["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    # The selector is immutable: a version in it would break every upgrade.
+    assert "app.kubernetes.io/version" not in selector
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_resources(directory: str) -> None:
+    resources = plugin_container(daemonset(directory))["resources"]
+    assert resources["requests"] == {"cpu": "100m", "memory": "200Mi"}
+    # A memory limit, and no CPU limit (throttling multiplies Python's start-up time).
+    assert set(resources["limits"]) == {"memory"}
+    assert resources["limits"]["memory"] == "200Mi"
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_args(directory: str) -> None:
+    container = plugin_container(daemonset(directory))
+    assert "command" not in container, "the image's entry point starts the plugin"
+    # First, so that docs/deploy.md's `kubectl patch` of args/0 raises the verbosity.
+    assert container["args"][0] == "--v=1"
+    assert flag(container, "host-root", "") == HOST_ROOT
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_image(directory: str) -> None:
+    container = plugin_container(daemonset(directory))
+    name, _, tag = container["image"].rpartition(":")
+    assert tag == project_version()
+    assert container["imagePullPolicy"] == "IfNotPresent"
+    if directory == "manifests/examples/custom-image":
+        assert name == "registry.example.com/pcc/pcc-device-plugin"
+    else:
+        assert name == DEFAULT_IMAGE
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_no_hostpath_can_create_anything_on_the_host(directory: str) -> None:
+    volumes = pod_spec(directory)["volumes"]
+    assert volumes
+    for volume in volumes:
+        # type "" creates a missing path as a directory; so do DirectoryOrCreate/FileOrCreate.
+        assert volume["hostPath"]["type"] == "Directory", volume
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_kubelet_socket_dir_is_mounted_read_write(directory: str) -> None:
+    ds = daemonset(directory)
+    plugin_dir = flag(plugin_container(ds), "device-plugin-path", PLUGIN_DIR)
+    mount, source = mount_showing(ds, plugin_dir)
+    assert mount["mountPath"] == plugin_dir == PLUGIN_DIR
+    assert source["path"] == PLUGIN_DIR
+    assert not mount.get("readOnly", False)
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_host_paths_are_read_only_under_the_host_root(directory: str) -> None:
+    ds = daemonset(directory)
+    host_root = flag(plugin_container(ds), "host-root", "")
+    for mount, source in host_mounts(ds):
+        if mount["mountPath"] == PLUGIN_DIR:
+            continue
+        assert mount["mountPath"] == host_root + source["path"], mount
+        assert mount["readOnly"] is True, mount
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_device_is_seen_live_through_a_parent(directory: str) -> None:
+    ds = daemonset(directory)
+    container = plugin_container(ds)
+    device = flag(container, "pcc-device", DEVICE)
+    _, source = mount_showing(ds, flag(container, "host-root", "") + device)
+    assert is_proper_ancestor(source["path"], device), source
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_pcc_dir_is_seen_live_through_a_parent(directory: str) -> None:
+    ds = daemonset(directory)
+    container = plugin_container(ds)
+    pcc_dir = flag(container, "pcc-socket-path", PCC_DIR)
+    _, source = mount_showing(ds, flag(container, "host-root", "") + pcc_dir)
+    if directory in PCC_DIR_ONLY:
+        assert source["path"] == pcc_dir
+    else:
+        assert is_proper_ancestor(source["path"], pcc_dir), source
+
+
+@pytest.mark.parametrize("directory", PRIVILEGED)
+def test_privileged_as_the_product_documents(directory: str) -> None:
+    container = plugin_container(daemonset(directory))
+    assert container["securityContext"] == {"privileged": True}
+
+
+@pytest.mark.parametrize("directory", HARDENED)
+def test_hardened(directory: str) -> None:
+    context = plugin_container(daemonset(directory))["securityContext"]
+    assert context == {
+        "privileged": False,
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "seLinuxOptions": {"type": "container_device_plugin_t"},
+    }
+    assert pod_spec(directory)["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def without_security(ds: Obj) -> Obj:
+    ds = copy.deepcopy(ds)
+    spec = ds["spec"]["template"]["spec"]
+    spec.pop("securityContext", None)
+    for container in spec["containers"]:
+        container.pop("securityContext", None)
+    return ds
+
+
+def test_hardened_changes_nothing_but_the_security_context() -> None:
+    assert without_security(daemonset("manifests/overlays/hardened")) == without_security(
+        daemonset("manifests/base")
+    )
+
+
+def test_pcc_dir_only_changes_nothing_but_that_mount() -> None:
+    def without_run_mounts(ds: Obj) -> Obj:
+        ds = copy.deepcopy(ds)
+        spec = ds["spec"]["template"]["spec"]
+        spec["volumes"] = [v for v in spec["volumes"] if not v["name"].startswith("host-pcc")]
+        spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "host-var-run"]
+        container = spec["containers"][0]
+        container["volumeMounts"] = [
+            m for m in container["volumeMounts"] if not m["mountPath"].startswith("/host/var/run")
+        ]
+        return ds
+
+    narrow = daemonset("manifests/examples/hardened-pcc-dir-only")
+    assert without_run_mounts(narrow) == without_run_mounts(
+        daemonset("manifests/overlays/hardened")
+    )
+    assert {v["hostPath"]["path"] for v in narrow["spec"]["template"]["spec"]["volumes"]} == {
+        "/dev",
+        PCC_DIR,
+        PLUGIN_DIR,
+    }
+
+
+# The example workload
+
+
+def test_confidential_app() -> None:
+    pod = the(render("manifests/examples/confidential-app"), "Pod", "confidential-app")
+    spec = pod["spec"]
+    assert "namespace" not in pod["metadata"], "applies to the namespace the user chooses"
+    assert spec["nodeSelector"] == {NODE_LABEL: "true"}
+    (container,) = spec["containers"]
+    assert int(container["resources"]["limits"][RESOURCE]) == 1
+    # The device and the PCC directory come from the plugin, not from the pod's own spec.
+    assert not spec.get("volumes")
+    assert not container.get("securityContext", {}).get("privileged", False)
+
+
+# The Containerfile and its context
+
+
+def containerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    instructions = []
+    logical = ""
+    for line in CONTAINERFILE.read_text().splitlines():
+        if not logical and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.lstrip().startswith("#"):
+            continue
+        logical += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            keyword, _, rest = logical.strip().partition(" ")
+            instructions.append((keyword.upper(), rest.strip()))
+            logical = ""
+    return instructions
+
+
+def test_runtime_lock_has_hashes() -> None:
+    """The Containerfile installs requirements/runtime.txt with --require-hashes."""
+    lines = (ROOT / "requirements" / "runtime.txt").read_text().splitlines()
+    requirements = [i for i, line in enumerate(lines) if line[:1].isalnum()]
+    assert requirements
+    for index in requirements:
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        assert following.strip().startswith("--hash=sha256:"), (
+            f"{lines[index]!r} has no hash: regenerate the lock with `nox -s lock`"
+        )
+
+
+def test_containerfile_base_image_contract() -> None:
+    instructions = containerfile_instructions()
+    assert instructions[0][0] == "ARG"
+    assert instructions[0][1].startswith("BASE_IMAGE=")
+    stages = [args for keyword, args in instructions if keyword == "FROM"]
+    assert len(stages) == 2
+    assert all(args.split()[0] == "${BASE_IMAGE}" for args in stages), stages
+
+
+def test_containerfile_installs_the_lock_with_hashes_and_wheels_only() -> None:
+    runs = [args for keyword, args in containerfile_instructions() if keyword == "RUN"]
+    (install,) = [run for run in runs if "requirements/runtime.txt" in run]
+    assert "--require-hashes" in install
+    assert "--only-binary=:all:" in install
+    # Every exception to "wheels only" names a locked package (docs/deploy.md says why).
+    locked = (ROOT / "requirements" / "runtime.txt").read_text()
+    for name in re.findall(r"--no-binary=(\S+)", install):
+        assert re.search(rf"^{re.escape(name)}==", locked, re.M), f"{name} is not in the lock"
+
+
+def test_containerfile_build_backend_satisfies_pyproject() -> None:
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        requires = tomllib.load(file)["build-system"]["requires"]
+    (setuptools_requirement,) = [r for r in requires if r.startswith("setuptools")]
+    pins = re.findall(r"setuptools==([0-9.]+)", CONTAINERFILE.read_text())
+    assert pins
+    for pin in pins:
+        assert Version(pin) in SpecifierSet(setuptools_requirement.removeprefix("setuptools"))
+
+
+def test_containerfile_labels_and_entry_point() -> None:
+    instructions = containerfile_instructions()
+    final = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM") :]
+    assert ("ARG", f"VERSION={project_version()}") in final
+    labels = " ".join(args for keyword, args in final if keyword == "LABEL")
+    for key in ("source", "version", "licenses", "title"):
+        assert f"org.opencontainers.image.{key}=" in labels
+    assert 'org.opencontainers.image.licenses="Apache-2.0"' in labels
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        assert "pcc-device-plugin" in tomllib.load(file)["project"]["scripts"]
+    assert instructions[-1] == ("ENTRYPOINT", '["/opt/pcc-device-plugin/bin/pcc-device-plugin"]')
+    users = [args for keyword, args in final if keyword == "USER"]
+    assert users[-1] == "0"
+
+
+def test_containerfile_says_why_it_runs_as_root() -> None:
+    lines = CONTAINERFILE.read_text().splitlines()
+    last_user = max(i for i, line in enumerate(lines) if line.startswith("USER "))
+    comment = []
+    for line in reversed(lines[:last_user]):
+        if not line.startswith("#"):
+            break
+        comment.append(line)
+    assert "kubelet" in " ".join(comment)
+
+
+def test_every_hadolint_ignore_is_justified() -> None:
+    lines = CONTAINERFILE.read_text().splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("# hadolint ignore="):
+            before = lines[index - 1]
+            why = f"line {index + 1}: say why in a comment beside the ignore"
+            assert before.startswith("#"), why
+            assert "hadolint" not in before, why
+
+
+def test_containerignore_admits_only_what_the_containerfile_copies() -> None:
+    rules = [
+        line.strip()
+        for line in (ROOT / ".containerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert rules[0] == "*", "deny everything first: no tests, caches or VCS data"
+    admitted = {rule[1:].rstrip("/") for rule in rules if rule.startswith("!")}
+    copied: set[str] = set()
+    for keyword, args in containerfile_instructions():
+        if keyword == "COPY" and not args.startswith("--from"):
+            copied.update(source.rstrip("/") for source in args.split()[:-1])
+    assert copied == admitted
+    for source in copied:
+        if source != "README.md":  # written by the lead; the build needs it (pyproject readme)
+            assert (ROOT / source).exists(), source
+
+
+# docs/deploy.md
+
+NEEDS_MARKER = re.compile(r"^# \(needs [^)]+\)")
+RUN_BY_THIS_FILE = re.compile(r"^kubectl kustomize \S+( \| .+)?$")
+NOX = re.compile(r"^nox -s (?P<sessions>[a-z ]+)$")
+
+
+def docs_text() -> str:
+    if not DOCS.exists():
+        pytest.fail("docs/deploy.md is missing")
+    return DOCS.read_text()
+
+
+def shell_blocks() -> list[list[str]]:
+    fenced = r"^[ \t]*```(?:sh|bash|console)\n(.*?)^[ \t]*```$"
+    blocks = re.findall(fenced, docs_text(), re.M | re.S)
+    return [[line.strip() for line in block.strip("\n").splitlines()] for block in blocks]
+
+
+def commands(block: list[str]) -> list[str]:
+    """Commands, with backslash-continued lines joined."""
+    joined = "\n".join(line for line in block if not line.startswith("#"))
+    return [line.strip() for line in joined.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_docs_commands_are_run_here_or_marked() -> None:
+    """A shell block is either all commands a test runs, or says in its first line what it needs."""
+    unmarked = []
+    for block in shell_blocks():
+        if NEEDS_MARKER.match(block[0]):
+            continue
+        for command in commands(block):
+            if not (RUN_BY_THIS_FILE.match(command) or NOX.match(command)):
+                unmarked.append(command)
+    assert not unmarked, "mark these blocks '# (needs ...)' or make a test run them:\n" + "\n".join(
+        unmarked
+    )
+
+
+def test_docs_kustomize_commands_work() -> None:
+    kubectl()
+    ran = 0
+    for block in shell_blocks():
+        for command in commands(block):
+            if RUN_BY_THIS_FILE.match(command):
+                result = subprocess.run(
+                    ["bash", "-o", "pipefail", "-c", command],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=False,
+                )
+                assert result.returncode == 0, f"{command}\n{result.stderr}"
+                assert result.stdout.strip(), command
+                ran += 1
+    assert ran
+
+
+def test_docs_nox_sessions_are_run_by_ci() -> None:
+    ci_line = next(
+        line for line in (ROOT / ".ci" / "run").read_text().splitlines() if "nox -s" in line
+    )
+    in_ci = set(ci_line.split("nox -s", 1)[1].split())
+    for block in shell_blocks():
+        for command in commands(block):
+            match = NOX.match(command)
+            if match:
+                assert set(match["sessions"].split()) <= in_ci, command
+
+
+def test_docs_paths_exist_and_kustomize_paths_render() -> None:
+    text = docs_text()
+    paths = set(re.findall(r"(?<![\w/.-])((?:manifests|docs|tests|requirements)/[\w./-]*\w)", text))
+    assert paths
+    missing = [path for path in sorted(paths) if not (ROOT / path).exists()]
+    assert not missing, missing
+    for command in re.findall(r"kubectl (?:apply|delete) -k (\S+)", text):
+        assert command in kustomizations(), command
+        assert render(command)
+
+
+def test_docs_state_the_validated_kubernetes_range() -> None:
+    oldest = ".".join(map(str, OLDEST_KUBERNETES))
+    newest = ".".join(map(str, NEWEST_KUBERNETES))
+    assert f"Kubernetes {oldest} to {newest}" in docs_text()
+
+
+def test_docs_troubleshooting_names_the_real_log_lines() -> None:
+    text = docs_text()
+    ds = daemonset("manifests/base")
+    host_root = flag(plugin_container(ds), "host-root", "")
+    # The plugin logs the path as it sees it, under the host root.
+    assert f"detect device {host_root}{DEVICE} failed" in text
+    assert f"detect socket path {host_root}{PCC_DIR} failed" in text
+    assert "Registered device plugin with Kubelet" in text
