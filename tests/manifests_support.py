@@ -41,8 +41,67 @@ HOST_ROOT = "/host"
 DEVICE = "/dev/sev-guest"
 PCC_DIR = "/var/run/pcc"
 DEFAULT_IMAGE = "localhost/pcc-device-plugin"
+# The daemon's defaults for --metrics-bind-address and --cdi-spec-dir (pcc_plugin/cli.py).
+METRICS_BIND_ADDRESS = ":8080"
+CDI_SPEC_DIR = "/var/run/cdi"
 
 Obj = dict[str, Any]
+
+# Kinds that are not in the Kubernetes API, so not in kubernetes-validate's schemas: each is
+# validated instead against this schema, written from its CRD (strict like kubernetes-validate:
+# a field it does not list is an error). It lists only the fields the manifests use, so a
+# manifest that needs another field must add it here, checked against the CRD.
+_LABEL_SELECTOR: Obj = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+}
+# monitoring.coreos.com_podmonitors.yaml of the Prometheus Operator (field names as in v0.91.0).
+PODMONITOR_SCHEMA: Obj = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "namespace"],
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": _LABEL_SELECTOR,
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"port": {"type": "string"}, "path": {"type": "string"}},
+                    },
+                },
+            },
+        },
+    },
+}
+CUSTOM_RESOURCES: dict[tuple[str, str], Obj] = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): PODMONITOR_SCHEMA,
+}
+
+
+def custom_resource_schema(obj: Obj) -> Obj | None:
+    """The schema of a kind listed above; None for every other kind, which kubernetes-validate
+    checks (and fails when it does not know the kind)."""
+    return CUSTOM_RESOURCES.get((obj["apiVersion"], obj["kind"]))
 
 
 def project_version() -> str:

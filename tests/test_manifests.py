@@ -3,8 +3,10 @@
 The manifests are checked as ``kubectl kustomize`` renders them, so that an edit to a base, an
 overlay or a patch cannot silently drop the node selector, the mounts, the requests or the
 hardened settings. Every rendered object is validated offline against the Kubernetes schemas of
-each minor version from OLDEST_KUBERNETES to NEWEST_KUBERNETES. ``nox -s manifests`` runs this
-file (and hadolint); without kubectl these tests skip, except under CI where they fail.
+each minor version from OLDEST_KUBERNETES to NEWEST_KUBERNETES; the one kind outside the Kubernetes
+API (the Prometheus Operator's PodMonitor) is validated against the fields of its CRD instead
+(manifests_support.CUSTOM_RESOURCES). ``nox -s manifests`` runs this file (and hadolint); without
+kubectl these tests skip, except under CI where they fail.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import copy
 import re
 import subprocess
 import tomllib
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
+import attrs
 import pytest
 import yaml
 from manifests_support import (
+    CDI_SPEC_DIR,
     DEFAULT_IMAGE,
     DEVICE,
     HOST_ROOT,
     KUBERNETES_VERSIONS,
+    METRICS_BIND_ADDRESS,
     NAME,
     NAMESPACE,
     NEWEST_KUBERNETES,
@@ -33,6 +38,7 @@ from manifests_support import (
     ROOT,
     Obj,
     components,
+    custom_resource_schema,
     daemonsets,
     flag,
     host_mounts,
@@ -47,19 +53,58 @@ from manifests_support import (
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from pcc_plugin.cli import parse_config
+from pcc_plugin.profiles import load
+from pcc_plugin.resources import ResourceSpec, pcc_resource
+
 # Every kustomization, by what it deploys. A new one must be added here, so that the invariants
 # below apply to it.
-PRIVILEGED = ["manifests/base", "manifests/examples/custom-image"]
-HARDENED = ["manifests/overlays/hardened", "manifests/examples/hardened-pcc-dir-only"]
+PRIVILEGED = [
+    "manifests/base",
+    "manifests/examples/custom-image",
+    "manifests/overlays/surge",
+    "manifests/overlays/profiles",
+    "manifests/overlays/cdi",
+]
+HARDENED = [
+    "manifests/overlays/hardened",
+    "manifests/examples/hardened-pcc-dir-only",
+    "manifests/examples/hardened-cdi-surge-podmonitor",
+]
 PLUGIN = PRIVILEGED + HARDENED
 # Deployments that mount only the PCC directory itself (manifests/components/pcc-dir-only): the
 # trade-off is written down there and in docs/deploy.md.
 PCC_DIR_ONLY = ["manifests/examples/hardened-pcc-dir-only"]
+# Deployments with an optional feature (manifests/components/<feature>); every other deployment
+# must behave as the base does in that respect.
+SURGE = ["manifests/overlays/surge", "manifests/examples/hardened-cdi-surge-podmonitor"]
+PROFILES = ["manifests/overlays/profiles"]
+CDI = ["manifests/overlays/cdi", "manifests/examples/hardened-cdi-surge-podmonitor"]
+PODMONITOR = ["manifests/examples/hardened-cdi-surge-podmonitor"]
+# The deployment each of these builds on: they add their features to it and change nothing else.
+BUILT_ON = {
+    "manifests/overlays/surge": "manifests/base",
+    "manifests/overlays/profiles": "manifests/base",
+    "manifests/overlays/cdi": "manifests/base",
+    "manifests/examples/hardened-cdi-surge-podmonitor": "manifests/overlays/hardened",
+}
 APPS = ["manifests/examples/confidential-app"]
 
 CONTAINERFILE = ROOT / "Containerfile"
 DOCS = ROOT / "docs" / "deploy.md"
 LABELS = ("name", "component", "part-of", "version", "managed-by")
+BASE_UPDATE_STRATEGY = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+SURGE_UPDATE_STRATEGY = {
+    "type": "RollingUpdate",
+    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+}
+# What the components add: volume names, and the shipped profile (manifests/overlays/profiles).
+CDI_VOLUME = "cdi-specs"
+PROFILES_VOLUME = "profiles"
+PROFILES_CONFIGMAP = f"{NAME}-profiles"
+PROFILE_FILE = ROOT / "manifests" / "overlays" / "profiles" / "profiles.yaml"
+PCC_EXAMPLE = ROOT / "docs" / "examples" / "pcc.yaml"
+POWER_EXAMPLE = ROOT / "docs" / "examples" / "power-block.yaml"
 
 
 def daemonset(directory: str) -> Obj:
@@ -74,6 +119,17 @@ def pod_spec(directory: str) -> Obj:
 
 def is_proper_ancestor(parent: str, path: str) -> bool:
     return PurePosixPath(parent) in PurePosixPath(path).parents
+
+
+def volume_named(directory: str, name: str) -> Obj | None:
+    found = [v for v in pod_spec(directory)["volumes"] if v["name"] == name]
+    assert len(found) <= 1, f"{len(found)} volumes named {name}"
+    return found[0] if found else None
+
+
+def mounts_of(directory: str, volume: str) -> list[Obj]:
+    container = plugin_container(daemonset(directory))
+    return [m for m in container.get("volumeMounts", []) if m["name"] == volume]
 
 
 # Rendering and schemas
@@ -99,12 +155,27 @@ def test_validates_against_kubernetes_schemas(directory: str) -> None:
     failures = []
     for version in KUBERNETES_VERSIONS:
         for obj in render(directory):
+            if custom_resource_schema(obj) is not None:
+                continue  # not in the Kubernetes API: test_custom_resources_validate_against_crd
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except Exception as exc:  # collect the failures of every version
                 name = f"{obj['kind']}/{obj['metadata']['name']}"
                 failures.append(f"Kubernetes {version}, {name}: {str(exc).splitlines()[0]}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("directory", PLUGIN + APPS)
+def test_custom_resources_validate_against_crd(directory: str) -> None:
+    """Kinds outside the Kubernetes API, each against the fields of its CRD that are used."""
+    jsonschema = pytest.importorskip("jsonschema")
+    custom = []
+    for obj in render(directory):
+        schema = custom_resource_schema(obj)
+        if schema is not None:
+            jsonschema.validate(obj, schema)
+            custom.append(obj["kind"])
+    assert custom == (["PodMonitor"] if directory in PODMONITOR else [])
 
 
 def test_every_component_is_used() -> None:
@@ -123,10 +194,15 @@ def test_every_component_is_used() -> None:
 @pytest.mark.parametrize("directory", PLUGIN)
 def test_objects_and_no_api_access(directory: str) -> None:
     objects = render(directory)
-    assert sorted((obj["kind"], obj["metadata"]["name"]) for obj in objects) == [
-        ("DaemonSet", NAME),
-        ("ServiceAccount", NAME),
-    ]
+    expected = [("DaemonSet", NAME), ("ServiceAccount", NAME)]
+    if directory in PROFILES:
+        # configMapGenerator appends a hash of the content to the name.
+        (configmap,) = [obj for obj in objects if obj["kind"] == "ConfigMap"]
+        assert re.fullmatch(rf"{PROFILES_CONFIGMAP}-[a-z0-9]{{10}}", configmap["metadata"]["name"])
+        expected.append(("ConfigMap", configmap["metadata"]["name"]))
+    if directory in PODMONITOR:
+        expected.append(("PodMonitor", NAME))
+    assert sorted((obj["kind"], obj["metadata"]["name"]) for obj in objects) == sorted(expected)
     for obj in objects:
         assert obj["metadata"]["namespace"] == NAMESPACE
     account = the(objects, "ServiceAccount", NAME)
@@ -144,12 +220,22 @@ def test_scheduling(directory: str) -> None:
     assert spec["priorityClassName"] == "system-node-critical"
     # Tolerates every taint: the node selector alone decides where it runs.
     assert {"operator": "Exists"} in spec["tolerations"]
-    assert ds["spec"]["updateStrategy"] == {
-        "type": "RollingUpdate",
-        "rollingUpdate": {"maxUnavailable": 1},
-    }
     for host_namespace in ("hostNetwork", "hostPID", "hostIPC"):
         assert not spec.get(host_namespace), host_namespace
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_update_strategy(directory: str) -> None:
+    """maxUnavailable 1 unless a deployment asks for surge (docs/deploy.md has the caveat)."""
+    strategy = daemonset(directory)["spec"]["updateStrategy"]
+    if directory in SURGE:
+        assert strategy == SURGE_UPDATE_STRATEGY
+    else:
+        assert strategy == BASE_UPDATE_STRATEGY
+
+
+def test_base_stops_one_pod_at_a_time() -> None:
+    assert daemonset("manifests/base")["spec"]["updateStrategy"] == BASE_UPDATE_STRATEGY
 
 
 @pytest.mark.parametrize("directory", PLUGIN)
@@ -165,9 +251,10 @@ def test_labels(directory: str) -> None:
         "app.kubernetes.io/managed-by": "kustomize",
     }
     for labels in (
-        ds["metadata"]["labels"],
         ds["spec"]["template"]["metadata"]["labels"],
         account["metadata"]["labels"],
+        # Every object: the ConfigMap and PodMonitor of the overlays as well.
+        *(obj["metadata"]["labels"] for obj in render(directory)),
     ):
         assert {key: labels.get(key) for key in expected} == expected
     selector = ds["spec"]["selector"]["matchLabels"]
@@ -192,6 +279,14 @@ def test_args(directory: str) -> None:
     # First, so that docs/deploy.md's `kubectl patch` of args/0 raises the verbosity.
     assert container["args"][0] == "--v=1"
     assert flag(container, "host-root", "") == HOST_ROOT
+    # The base's args, then only what the deployment's features add.
+    base_args = plugin_container(daemonset("manifests/base"))["args"]
+    assert base_args == ["--v=1", f"--host-root={HOST_ROOT}"]
+    args = container["args"]
+    assert args[: len(base_args)] == base_args
+    added = sorted(arg.split("=", 1)[0] for arg in args[len(base_args) :])
+    expected = ["--cdi"] * (directory in CDI) + ["--config"] * (directory in PROFILES)
+    assert added == expected
 
 
 @pytest.mark.parametrize("directory", PLUGIN)
@@ -211,8 +306,17 @@ def test_no_hostpath_can_create_anything_on_the_host(directory: str) -> None:
     volumes = pod_spec(directory)["volumes"]
     assert volumes
     for volume in volumes:
+        if volume["name"] == PROFILES_VOLUME and directory in PROFILES:
+            assert set(volume) == {"name", "configMap"}
+            continue
         # type "" creates a missing path as a directory; so do DirectoryOrCreate/FileOrCreate.
-        assert volume["hostPath"]["type"] == "Directory", volume
+        # The exception: the runtime's CDI directory, which may not exist yet
+        # (manifests/components/cdi says why that is the right thing there).
+        expected = "Directory"
+        if volume["name"] == CDI_VOLUME and directory in CDI:
+            assert volume["hostPath"]["path"] == CDI_SPEC_DIR
+            expected = "DirectoryOrCreate"
+        assert volume["hostPath"]["type"] == expected, volume
 
 
 @pytest.mark.parametrize("directory", PLUGIN)
@@ -232,6 +336,8 @@ def test_host_paths_are_read_only_under_the_host_root(directory: str) -> None:
     for mount, source in host_mounts(ds):
         if mount["mountPath"] == PLUGIN_DIR:
             continue
+        if directory in CDI and mount["name"] == CDI_VOLUME:
+            continue  # written by the plugin: test_cdi
         assert mount["mountPath"] == host_root + source["path"], mount
         assert mount["readOnly"] is True, mount
 
@@ -255,6 +361,209 @@ def test_pcc_dir_is_seen_live_through_a_parent(directory: str) -> None:
         assert source["path"] == pcc_dir
     else:
         assert is_proper_ancestor(source["path"], pcc_dir), source
+
+
+# Probes and metrics
+
+
+def metrics_port(container: Obj) -> Obj:
+    """The container port named `metrics`, checked against --metrics-bind-address."""
+    ports: list[Obj] = container["ports"]
+    (port,) = ports
+    assert port == {"name": "metrics", "containerPort": port["containerPort"], "protocol": "TCP"}
+    host, _, bound = flag(container, "metrics-bind-address", METRICS_BIND_ADDRESS).rpartition(":")
+    # kubelet probes and Prometheus scrape the pod's IP: the plugin must listen on every address.
+    assert host in ("", "0.0.0.0", "::"), "probes reach the pod's IP, not its loopback"
+    assert port["containerPort"] == int(bound) == 8080
+    return port
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_metrics_port(directory: str) -> None:
+    container = plugin_container(daemonset(directory))
+    port = metrics_port(container)
+    # In the pod's own network namespace: no hostPort, so a surge pod on the same node cannot
+    # clash with the old one.
+    assert "hostPort" not in port
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_probes(directory: str) -> None:
+    container = plugin_container(daemonset(directory))
+    port = metrics_port(container)
+    liveness = container["livenessProbe"]
+    readiness = container["readinessProbe"]
+    assert liveness["httpGet"] == {"path": "/livez", "port": port["name"]}
+    assert readiness["httpGet"] == {"path": "/readyz", "port": port["name"]}
+    # Lenient liveness: restarting the plugin cannot fix a slow kubelet, and restart loops back
+    # off for minutes. /livez answers within about a second of start, so no start-up delay or
+    # startupProbe is needed; only minutes of silence restart the container.
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 120
+    assert liveness["timeoutSeconds"] >= 5
+    assert liveness.get("successThreshold", 1) == 1
+    assert "startupProbe" not in container
+    # Readiness (registered with the current kubelet) gates rollouts and alerts, quickly.
+    assert readiness["periodSeconds"] <= 10
+    assert readiness.get("successThreshold", 1) == 1
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_prometheus_scrape_annotations(directory: str) -> None:
+    ds = daemonset(directory)
+    port = metrics_port(plugin_container(ds))
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port["containerPort"]),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+@pytest.mark.parametrize("directory", PODMONITOR)
+def test_podmonitor_scrapes_the_plugin_pods(directory: str) -> None:
+    ds = daemonset(directory)
+    monitor = the(render(directory), "PodMonitor", NAME)
+    # In the pods' namespace: a PodMonitor selects pods in its own namespace by default.
+    assert monitor["metadata"]["namespace"] == ds["metadata"]["namespace"] == NAMESPACE
+    assert "namespaceSelector" not in monitor["spec"]
+    # The DaemonSet's own selector: exactly its pods.
+    assert monitor["spec"]["selector"] == ds["spec"]["selector"]
+    port = metrics_port(plugin_container(ds))
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert monitor["spec"]["podMetricsEndpoints"] == [
+        {"port": port["name"], "path": annotations["prometheus.io/path"]}
+    ]
+
+
+# Optional features: surge (above), profiles, CDI; and nothing else changes
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_profiles_mounted_read_only_where_config_points(directory: str) -> None:
+    container = plugin_container(daemonset(directory))
+    volume = volume_named(directory, PROFILES_VOLUME)
+    config = flag(container, "config", "")
+    if directory not in PROFILES:
+        assert volume is None
+        assert config == ""
+        return
+    assert volume is not None
+    (mount,) = mounts_of(directory, PROFILES_VOLUME)
+    assert mount["readOnly"] is True
+    assert "subPath" not in mount
+    # --config names a key of the ConfigMap, in the directory the ConfigMap is mounted at.
+    config_path = PurePosixPath(config)
+    assert (
+        config_path.parent
+        == PurePosixPath(mount["mountPath"])
+        == PurePosixPath("/etc/pcc-device-plugin")
+    )
+    configmap = the(render(directory), "ConfigMap", volume["configMap"]["name"])
+    assert configmap["metadata"]["name"].startswith(f"{PROFILES_CONFIGMAP}-")
+    assert "items" not in volume["configMap"]
+    assert configmap["data"] == {config_path.name: PROFILE_FILE.read_text()}
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_configmap_volumes_name_a_rendered_configmap(directory: str) -> None:
+    """manifests/components/profiles needs the ConfigMap from the kustomization using it."""
+    names = {obj["metadata"]["name"] for obj in render(directory) if obj["kind"] == "ConfigMap"}
+    for volume in pod_spec(directory)["volumes"]:
+        if "configMap" in volume:
+            assert volume["configMap"]["name"] in names, volume
+
+
+def as_flag_profile(spec: ResourceSpec) -> ResourceSpec:
+    """``spec`` without the label that the PCC profile from the flags gives its mount."""
+    return attrs.evolve(
+        spec, mounts=tuple(attrs.evolve(mount, label="mount") for mount in spec.mounts)
+    )
+
+
+def uncommented(text: str) -> str:
+    """The profile with its commented-out example resource put back in."""
+    return re.sub(r"^(\s*)# (?=- |  )", r"\1", text, flags=re.M)
+
+
+def test_shipped_profile_is_the_pcc_profile() -> None:
+    """As shipped, the profiles overlay serves what the base serves from its flags."""
+    shipped = load(str(PROFILE_FILE))
+    assert shipped == load(str(PCC_EXAMPLE))
+    base_config = parse_config(plugin_container(daemonset("manifests/base"))["args"])
+    assert shipped == [as_flag_profile(pcc_resource(base_config))]
+    (spec,) = shipped
+    assert spec.name == RESOURCE
+    assert [node.host_path for node in spec.device_nodes] == [DEVICE]
+    assert [mount.host_path for mount in spec.mounts] == [PCC_DIR]
+
+
+def test_shipped_profile_example_loads_when_uncommented(tmp_path: Path) -> None:
+    text = uncommented(PROFILE_FILE.read_text())
+    assert text != PROFILE_FILE.read_text(), "the commented example is gone"
+    edited = tmp_path / "profiles.yaml"
+    edited.write_text(text)
+    assert load(str(edited)) == load(str(PCC_EXAMPLE)) + load(str(POWER_EXAMPLE))
+
+
+@pytest.mark.parametrize("directory", PROFILES)
+def test_profile_host_paths_are_seen_live_by_the_plugin(directory: str, tmp_path: Path) -> None:
+    """Every host path of the profile, its example too, is under a mount of a parent at /host."""
+    ds = daemonset(directory)
+    host_root = flag(plugin_container(ds), "host-root", "")
+    edited = tmp_path / "profiles.yaml"
+    edited.write_text(uncommented(PROFILE_FILE.read_text()))
+    for spec in load(str(edited)):
+        for node in spec.device_nodes:
+            # A glob is watched through its directory.
+            path = str(PurePosixPath(node.host_path).parent) if node.is_glob else node.host_path
+            _, source = mount_showing(ds, host_root + path)
+            assert source["path"] == path or is_proper_ancestor(source["path"], path), node
+        for mount in spec.mounts:
+            _, source = mount_showing(ds, host_root + mount.host_path)
+            assert is_proper_ancestor(source["path"], mount.host_path), mount
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_cdi(directory: str) -> None:
+    container = plugin_container(daemonset(directory))
+    cdi_dir = flag(container, "cdi-spec-dir", CDI_SPEC_DIR)
+    volume = volume_named(directory, CDI_VOLUME)
+    if directory not in CDI:
+        assert "--cdi" not in container["args"]
+        assert volume is None
+        return
+    assert "--cdi" in container["args"]
+    assert volume is not None
+    # The runtime reads the host's directory; the plugin writes the path as it sees it (not
+    # under --host-root): the same path on both sides, read-write.
+    (mount,) = mounts_of(directory, CDI_VOLUME)
+    assert mount["mountPath"] == cdi_dir == volume["hostPath"]["path"] == CDI_SPEC_DIR
+    assert not mount.get("readOnly", False)
+    assert "subPath" not in mount
+    # The deepest mount there is this one: nothing mounted below it hides the specs.
+    assert mount_showing(daemonset(directory), cdi_dir + "/spec.json")[0] == mount
+
+
+def as_built_on(ds: Obj) -> Obj:
+    """The DaemonSet with the optional features taken out again, as their components add them."""
+    ds = copy.deepcopy(ds)
+    ds["spec"]["updateStrategy"] = copy.deepcopy(BASE_UPDATE_STRATEGY)
+    spec = ds["spec"]["template"]["spec"]
+    added = (CDI_VOLUME, PROFILES_VOLUME)
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in added]
+    container = spec["containers"][0]
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in added]
+    container["args"] = [
+        arg for arg in container["args"] if arg != "--cdi" and not arg.startswith("--config=")
+    ]
+    return ds
+
+
+@pytest.mark.parametrize("directory", sorted(BUILT_ON))
+def test_features_change_nothing_else(directory: str) -> None:
+    assert as_built_on(daemonset(directory)) == daemonset(BUILT_ON[directory])
+    account = the(render(directory), "ServiceAccount", NAME)
+    assert account == the(render(BUILT_ON[directory]), "ServiceAccount", NAME)
 
 
 @pytest.mark.parametrize("directory", PRIVILEGED)
@@ -545,3 +854,40 @@ def test_docs_troubleshooting_names_the_real_log_lines() -> None:
     assert f"detect device {host_root}{DEVICE} failed" in text
     assert f"detect socket path {host_root}{PCC_DIR} failed" in text
     assert "Registered device plugin with Kubelet" in text
+
+
+def test_docs_list_every_kustomization_and_component() -> None:
+    text = docs_text()
+    for directory in kustomizations() + components():
+        assert f"`{directory}`" in text, f"docs/deploy.md does not mention {directory}"
+
+
+def test_docs_state_the_probe_settings() -> None:
+    container = plugin_container(daemonset("manifests/base"))
+    live = container["livenessProbe"]
+    ready = container["readinessProbe"]
+    text = " ".join(docs_text().split())
+    assert (
+        f"`/livez` every {live['periodSeconds']} s, {live['timeoutSeconds']} s timeout, "
+        f"a restart after {live['failureThreshold']} failures in a row"
+    ) in text
+    assert (
+        f"`/readyz` every {ready['periodSeconds']} s, "
+        f"not ready after {ready['failureThreshold']} failures"
+    ) in text
+
+
+def test_docs_quote_the_plugins_own_words() -> None:
+    """Log lines and /readyz answers that docs/deploy.md quotes come from the plugin's source."""
+    source = "\n".join(path.read_text() for path in sorted((ROOT / "pcc_plugin").glob("*.py")))
+    text = docs_text()
+    for words in (
+        "kubelet's ListAndWatch stream ended; registering again in",
+        "another instance serves it",
+        "registered, but kubelet's ListAndWatch stream is not open",
+        "every device is Unhealthy: ",
+        "Cannot write CDI spec ",
+        "Metrics and probes are off: cannot listen on ",
+    ):
+        assert words in source, f"the plugin no longer says {words!r}"
+        assert words in text, f"docs/deploy.md does not quote {words!r}"
