@@ -257,3 +257,17 @@ def image(session: nox.Session) -> None:
         created = _podman_images() - before
         if created:
             subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)
+
+
+# Load and faults (issue 4).
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The real daemon against the simulated kubelet: one table of figures, PASS/MISS per target.
+
+    About two minutes on 2 cores; BENCHMARKS.md records a run. Arguments go to bench/run.py
+    (--quick, --json PATH, --strict).
+    """
+    install_dev(session)
+    session.run("python", "-m", "bench.run", *session.posargs)

@@ -128,7 +128,11 @@ class DevicePlugin:
             raise RequestError(f"{where} names no device IDs")
         unknown = sorted(set(ids) - self._by_id.keys())
         if unknown:
-            shown = ", ".join(repr(device_id) for device_id in unknown[:5])
+            # Quoted short: the details travel in a gRPC trailer, which clients cap at 8 KiB.
+            shown = ", ".join(
+                repr(device_id if len(device_id) <= 64 else device_id[:64] + "...")
+                for device_id in unknown[:5]
+            )
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             known = f"{self.devices[0].id} to {self.devices[-1].id}" if self.devices else "none"
             raise RequestError(

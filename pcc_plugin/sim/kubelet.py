@@ -21,6 +21,7 @@ import collections
 import logging
 import os
 import re
+import socket
 import stat
 import threading
 import time
@@ -125,6 +126,8 @@ class Registration:
     # Read back from the plugin with GetDevicePluginOptions; None until read, or if it failed.
     options: PluginOptions | None
     received_at: float
+    # When the answer was decided (time.monotonic()): for a current kubelet, after the dial.
+    answered_at: float = 0.0
 
 
 @attrs.define(eq=False)
@@ -286,6 +289,19 @@ class SimKubelet:
         self.stop()
         self.start()
 
+    def crash(self) -> None:
+        """Die as a killed kubelet does: every connection drops and kubelet.sock stays behind.
+
+        Nothing listens on the socket left behind, so dialling it is refused. A later
+        :meth:`start` is kubelet coming back: it deletes that socket with the others.
+        """
+        self.stop()
+        # grpcio removed its socket on stop; a dead one takes its place, as after SIGKILL.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+            dead.bind(str(self.socket_path))
+        with self._changed:
+            self._record(f"kubelet crashed, leaving {self.socket_path} with nothing listening")
+
     @property
     def running(self) -> bool:
         with self._changed:
@@ -335,6 +351,15 @@ class SimKubelet:
         with self._changed:
             state = self._resources.get(resource)
             return state is not None and state.active is not None and state.active.streaming
+
+    def active_endpoint(self, resource: str) -> str | None:
+        """The endpoint of the plugin kubelet uses for ``resource`` now, or None.
+
+        A legacy kubelet switches to a newly registered plugin only once it has dialled it.
+        """
+        with self._changed:
+            state = self._resources.get(resource)
+            return state.active.endpoint if state and state.active else None
 
     def messages(self, resource: str) -> int:
         """ListAndWatch messages received from the active plugins of ``resource``."""
@@ -469,6 +494,7 @@ class SimKubelet:
                     error=error,
                     options=options,
                     received_at=received_at,
+                    answered_at=time.monotonic(),
                 )
             )
             if error is not None:

@@ -1,0 +1,1 @@
+"""The benchmark: the real daemon against the simulated kubelet (``nox -s bench``)."""
