@@ -6,7 +6,7 @@
             ├── signals: the first SIGTERM/SIGINT cancels `work`; a second exits at once
             └── work
                 ├── metrics.serve        /metrics, /livez, /readyz (when a bind address is set)
-                └── serve_resource       one per resource
+                └── supervise_resource   one per resource; restarts it alone if it fails
                     ├── watch_health     inotify on the device's and mounts' parent directories
                     └── serve_kubelet    one generation after another:
                         ├── wait_for_directory (until kubelet has created the socket dir)

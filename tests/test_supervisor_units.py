@@ -13,10 +13,11 @@ import trio
 import trio.testing
 from asyncinotify import Event, Mask
 
-from pcc_plugin import bridge
+from pcc_plugin import bridge, supervisor
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.devices import DeviceFeed
-from pcc_plugin.resources import ResourceSpec
+from pcc_plugin.config import Config
+from pcc_plugin.devices import DeviceFeed, DevicePlugin
+from pcc_plugin.resources import ResourceSpec, pcc_resource
 from pcc_plugin.stats import ResourceStats
 from pcc_plugin.supervisor import (
     Backoff,
@@ -27,8 +28,9 @@ from pcc_plugin.supervisor import (
     remove_stale_sockets,
     reregister_when_stream_ends,
 )
-from pcc_plugin.watch import restart_reason
+from pcc_plugin.watch import FatalError, restart_reason
 
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
 REQUEST = api.RegisterRequest(
     version="v1beta1", endpoint="pcc-1-abc-0.sock", resource_name="example.com/pcc"
 )
@@ -228,3 +230,52 @@ def test_restart_reasons(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
         "device-plugin directory removed"
     )
     assert restart_reason([], tmp_path / "gone", own) == "device-plugin directory removed"
+
+
+async def test_a_failing_resource_is_restarted_alone(
+    host: Path,
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = Config(host_root=str(host))
+    broken = DevicePlugin(
+        ResourceSpec(name="example.com/broken", count=1, socket_prefix="broken"),
+        "",
+        ResourceStats(),
+    )
+    healthy = DevicePlugin(pcc_resource(config), str(host), ResourceStats())
+    attempts: dict[str, list[float]] = {"example.com/broken": [], RESOURCE: []}
+
+    async def serve_resource(_: Config, plugin: DevicePlugin) -> None:
+        attempts[plugin.spec.name].append(trio.current_time())
+        if plugin is broken and len(attempts[plugin.spec.name]) < 3:
+            raise RuntimeError("boom")
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(supervisor, "serve_resource", serve_resource)
+    with trio.move_on_after(600):
+        async with trio.open_nursery() as nursery:
+            for plugin in (broken, healthy):
+                nursery.start_soon(supervisor.supervise_resource, config, plugin)
+    assert len(attempts["example.com/broken"]) == 3
+    first, second, third = attempts["example.com/broken"]
+    assert 0.5 <= second - first <= 1.0  # backoff: 1 s with jitter
+    assert 1.0 <= third - second <= 2.0
+    assert len(attempts[RESOURCE]) == 1  # never disturbed
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2
+    assert errors[0].startswith("example.com/broken failed; restarting it in")
+
+
+async def test_a_fatal_error_in_a_resource_stops_the_daemon(
+    host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def serve_resource(_: Config, __: DevicePlugin) -> None:
+        raise FatalError("cannot create the socket")
+
+    monkeypatch.setattr(supervisor, "serve_resource", serve_resource)
+    config = Config(host_root=str(host))
+    plugin = DevicePlugin(pcc_resource(config), str(host), ResourceStats())
+    with pytest.raises(FatalError):
+        await supervisor.supervise_resource(config, plugin)
