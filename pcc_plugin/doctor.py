@@ -17,7 +17,6 @@ import collections
 import glob
 import os
 import re
-import socket
 import stat
 import sys
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ from pcc_plugin.resources import (
     ResourceSpec,
     seen_from_here,
 )
+from pcc_plugin.watch import connect_error
 
 # Each network check gives up after this long.
 CHECK_TIMEOUT = 5.0
@@ -276,20 +276,6 @@ def check_plugin_dir(plugin_dir: Path) -> Result:
     return passed(check, f"{plugin_dir} is a directory")
 
 
-def _connect_error(path: Path) -> OSError | None:
-    """Why the unix socket at `path` takes no connections, or None when something listens."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.setblocking(False)
-        try:
-            probe.connect(str(path))
-        except BlockingIOError:
-            # A full backlog: something listens, just busily.
-            return None
-        except OSError as exc:
-            return exc
-    return None
-
-
 async def check_kubelet(plugin_dir: Path) -> Result:
     check = "kubelet"
     path = plugin_dir / KUBELET_SOCKET
@@ -311,7 +297,7 @@ async def check_kubelet(plugin_dir: Path) -> Result:
             f"remove it and restart kubelet, which creates the socket at start "
             f"(rm {path}; systemctl restart kubelet)",
         )
-    error = _connect_error(path)
+    error = connect_error(path)
     if isinstance(error, ConnectionRefusedError):
         return failed(
             check,
@@ -374,7 +360,7 @@ def _daemon_socket(plugin_dir: Path, spec: ResourceSpec) -> tuple[Path | None, i
             sockets.append((status.st_mtime_ns, plugin_dir / entry.name))
     stale = 0
     for _, path in sorted(sockets, reverse=True):
-        if _connect_error(path) is None:
+        if connect_error(path) is None:
             return path, stale
         stale += 1
     return None, stale

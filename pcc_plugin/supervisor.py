@@ -28,7 +28,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -44,7 +43,13 @@ from pcc_plugin.health import watch_health
 from pcc_plugin.klog import V1
 from pcc_plugin.resources import ResourceSpec
 from pcc_plugin.stats import ResourceStats
-from pcc_plugin.watch import FatalError, is_socket, wait_for_directory, watch_plugin_dir
+from pcc_plugin.watch import (
+    FatalError,
+    connect_error,
+    is_socket,
+    wait_for_directory,
+    watch_plugin_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,16 +134,8 @@ class SocketNames:
 
 
 def accepts_connections(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.setblocking(False)
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            return False
-        except OSError:
-            # A full backlog (EAGAIN) or anything unexpected: assume alive and keep it.
-            return True
-    return True
+    # Anything but a refusal or a vanished file: assume alive and keep it.
+    return not isinstance(connect_error(path), ConnectionRefusedError | FileNotFoundError)
 
 
 def remove_stale_sockets(plugin_dir: Path, spec: ResourceSpec, keep: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -72,6 +73,20 @@ def is_socket(path: Path) -> bool:
         return stat.S_ISSOCK(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+def connect_error(path: Path) -> OSError | None:
+    """Why the unix socket at `path` takes no connections, or None when something listens."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(str(path))
+        except BlockingIOError:
+            # A full backlog: something listens, just busily.
+            return None
+        except OSError as exc:
+            return exc
+    return None
 
 
 def _nearest_existing_dir(path: Path) -> Path:
