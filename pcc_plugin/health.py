@@ -17,7 +17,7 @@ from asyncinotify import Mask
 
 from pcc_plugin.devices import DevicePlugin
 from pcc_plugin.resources import watched_paths
-from pcc_plugin.watch import next_events, open_inotify
+from pcc_plugin.watch import nearest_existing_dir, next_events, open_inotify
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,6 @@ _CHANGES = (
 _ANY_NAME = Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED | Mask.Q_OVERFLOW | Mask.UNMOUNT
 
 
-def _nearest_existing_dir(path: Path) -> Path:
-    while not path.is_dir():
-        path = path.parent
-    return path
-
-
 def _watch_plan(paths: list[Path]) -> tuple[set[Path], list[str]]:
     """The directories to watch, and name patterns of the entries in them that matter.
 
@@ -50,7 +44,7 @@ def _watch_plan(paths: list[Path]) -> tuple[set[Path], list[str]]:
     directories: set[Path] = set()
     patterns: list[str] = []
     for path in paths:
-        directory = _nearest_existing_dir(path.parent)
+        directory = nearest_existing_dir(path.parent)
         directories.add(directory)
         if directory == path.parent:
             name = path.name

@@ -89,7 +89,7 @@ def connect_error(path: Path) -> OSError | None:
     return None
 
 
-def _nearest_existing_dir(path: Path) -> Path:
+def nearest_existing_dir(path: Path) -> Path:
     while not path.is_dir():
         path = path.parent
     return path
@@ -100,7 +100,7 @@ async def wait_for_directory(path: Path) -> None:
     announced = False
     while True:
         with open_inotify() as inotify:
-            ancestor = _nearest_existing_dir(path)
+            ancestor = nearest_existing_dir(path)
             if ancestor == path:
                 return
             if not announced:
@@ -111,7 +111,7 @@ async def wait_for_directory(path: Path) -> None:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             # Watch first, then look: whatever is created after this is an event.
-            if _nearest_existing_dir(path) != ancestor:
+            if nearest_existing_dir(path) != ancestor:
                 continue
             await next_events(inotify)
 
