@@ -45,6 +45,10 @@ MAX_HTTP_RESPONSE = 65536
 
 _DEVICE_WORDS: dict[DeviceType, str] = {"char": "a character device", "block": "a block device"}
 _AS_ROOT = "run the doctor as root, as the daemon runs"
+_KUBELET_CREATES_IT = (
+    "kubelet creates it at start: check that kubelet runs (systemctl status kubelet) "
+    "and that --device-plugin-path is <kubelet's --root-dir>/device-plugins"
+)
 _DAEMON_LOG = "kubectl -n kube-system logs <the plugin's pod on this node>"
 
 
@@ -84,6 +88,21 @@ def _kind(mode: int) -> str:
         if test(mode):
             return word
     return "an unknown kind of file"
+
+
+def _expect_kind(
+    check: str, path: str | Path, wanted: str, missing_fix: str, wrong_fix: str
+) -> Result | None:
+    """A FAIL when `path` is missing, cannot be looked at, or is not `wanted`; else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return failed(check, f"{path} does not exist", missing_fix)
+    except OSError as exc:
+        return failed(check, f"cannot look at {path}: {exc.strerror}", _AS_ROOT)
+    if _kind(mode) != wanted:
+        return failed(check, f"{path} is {_kind(mode)}, not {wanted}", wrong_fix)
+    return None
 
 
 def _mounted_hint(host_root: str, host_path: str) -> str:
@@ -130,23 +149,15 @@ def check_device(node: DeviceNode, host_root: str) -> Result:
             )
         return passed(check, f"{len(matches)} match, each {wanted}: {', '.join(matches)}")
     path = seen_from_here(host_root, node.host_path)
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return failed(
-            check, f"{path} does not exist", load_driver + _mounted_hint(host_root, node.host_path)
-        )
-    except OSError as exc:
-        return failed(check, f"cannot look at {path}: {exc.strerror}", _AS_ROOT)
-    if _kind(mode) != wanted:
-        return failed(
-            check,
-            f"{path} is {_kind(mode)}, not {wanted}",
-            f"something replaced the device node: remove {node.host_path} on the host and "
-            "load its driver again (for /dev/sev-guest: modprobe -r sev-guest; "
-            "modprobe sev-guest)",
-        )
-    return passed(check, f"{path} is {wanted}")
+    problem = _expect_kind(
+        check,
+        path,
+        wanted,
+        load_driver + _mounted_hint(host_root, node.host_path),
+        f"something replaced the device node: remove {node.host_path} on the host and "
+        "load its driver again (for /dev/sev-guest: modprobe -r sev-guest; modprobe sev-guest)",
+    )
+    return problem or passed(check, f"{path} is {wanted}")
 
 
 # Directories mounted into containers
@@ -226,24 +237,17 @@ def _writable(check: str, mount: HostMount, path: str, host_root: str) -> Result
 def check_mount(mount: HostMount, host_root: str) -> Result:
     check = f"{mount.label} {mount.host_path}"
     path = seen_from_here(host_root, mount.host_path)
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return failed(
-            check,
-            f"{path} does not exist",
-            f"create it on the host (mkdir -p {mount.host_path}; the service that owns it "
-            "usually does at start), or give the daemon and the doctor the right path"
-            + _mounted_hint(host_root, mount.host_path),
-        )
-    except OSError as exc:
-        return failed(check, f"cannot look at {path}: {exc.strerror}", _AS_ROOT)
-    if not stat.S_ISDIR(mode):
-        return failed(
-            check,
-            f"{path} is {_kind(mode)}, not a directory",
-            f"make {mount.host_path} a directory on the host",
-        )
+    problem = _expect_kind(
+        check,
+        path,
+        "a directory",
+        f"create it on the host (mkdir -p {mount.host_path}; the service that owns it "
+        "usually does at start), or give the daemon and the doctor the right path"
+        + _mounted_hint(host_root, mount.host_path),
+        f"make {mount.host_path} a directory on the host",
+    )
+    if problem:
+        return problem
     if mount.read_only:
         return passed(check, f"{path} is a directory")
     return _writable(check, mount, path, host_root)
@@ -254,49 +258,30 @@ def check_mount(mount: HostMount, host_root: str) -> Result:
 
 def check_plugin_dir(plugin_dir: Path) -> Result:
     check = "device-plugin dir"
-    try:
-        mode = os.stat(plugin_dir).st_mode
-    except FileNotFoundError:
-        return failed(
-            check,
-            f"{plugin_dir} does not exist",
-            "kubelet creates it at start: check that kubelet runs (systemctl status kubelet) "
-            "and that --device-plugin-path is <kubelet's --root-dir>/device-plugins, "
-            "mounted from the host when the doctor runs in the pod",
-        )
-    except OSError as exc:
-        return failed(check, f"cannot look at {plugin_dir}: {exc.strerror}", _AS_ROOT)
-    if not stat.S_ISDIR(mode):
-        return failed(
-            check,
-            f"{plugin_dir} is {_kind(mode)}, not a directory",
-            f"remove it and restart kubelet, which creates the directory (rm {plugin_dir}; "
-            "systemctl restart kubelet)",
-        )
-    return passed(check, f"{plugin_dir} is a directory")
+    problem = _expect_kind(
+        check,
+        plugin_dir,
+        "a directory",
+        f"{_KUBELET_CREATES_IT}, mounted from the host when the doctor runs in the pod",
+        f"remove it and restart kubelet, which creates the directory (rm {plugin_dir}; "
+        "systemctl restart kubelet)",
+    )
+    return problem or passed(check, f"{plugin_dir} is a directory")
 
 
 async def check_kubelet(plugin_dir: Path) -> Result:
     check = "kubelet"
     path = plugin_dir / KUBELET_SOCKET
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return failed(
-            check,
-            f"{path} does not exist",
-            "kubelet creates it at start: check that kubelet runs (systemctl status kubelet) "
-            "and that --device-plugin-path is <kubelet's --root-dir>/device-plugins",
-        )
-    except OSError as exc:
-        return failed(check, f"cannot look at {path}: {exc.strerror}", _AS_ROOT)
-    if not stat.S_ISSOCK(mode):
-        return failed(
-            check,
-            f"{path} is {_kind(mode)}, not a socket",
-            f"remove it and restart kubelet, which creates the socket at start "
-            f"(rm {path}; systemctl restart kubelet)",
-        )
+    problem = _expect_kind(
+        check,
+        path,
+        "a socket",
+        _KUBELET_CREATES_IT,
+        f"remove it and restart kubelet, which creates the socket at start "
+        f"(rm {path}; systemctl restart kubelet)",
+    )
+    if problem:
+        return problem
     error = connect_error(path)
     if isinstance(error, ConnectionRefusedError):
         return failed(
@@ -315,11 +300,11 @@ async def check_kubelet(plugin_dir: Path) -> Result:
         return failed(
             check, f"cannot connect to {path}: {error.strerror}", "systemctl restart kubelet"
         )
-    problem = await bridge.probe_unimplemented(path, KUBELET_PROBE, CHECK_TIMEOUT)
-    if problem:
+    answer = await bridge.probe_unimplemented(path, KUBELET_PROBE, CHECK_TIMEOUT)
+    if answer:
         return failed(
             check,
-            f"{path} takes connections but {problem}",
+            f"{path} takes connections but {answer}",
             "restart kubelet (systemctl restart kubelet); if that does not help, "
             "something other than kubelet serves this socket",
         )
