@@ -10,7 +10,7 @@ import trio
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.klog import V1
-from pcc_plugin.resources import Device, DeviceNode, ResourceSpec, health_problem, take_inventory
+from pcc_plugin.resources import Device, DeviceNode, ResourceSpec, take_inventory
 from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
@@ -206,11 +206,10 @@ class DevicePlugin:
     ) -> api.PreStartContainerResponse:
         devices = self._devices_named("PreStartContainerRequest", request.devices_ids)
         if self._pre_start_check:
-            problem = health_problem(self.spec, self._host_root)
-            if problem:
-                raise DeviceUnavailable(f"cannot start the container: {problem}")
+            # One fresh look at the node; each device's problem includes the shared ones.
             self.refresh()
-            gone = [device.id for device in devices if self._by_id[device.id].problem]
-            if gone:
-                raise DeviceUnavailable(f"cannot start the container: {', '.join(gone)} gone")
+            for device in devices:
+                problem = self._by_id[device.id].problem
+                if problem:
+                    raise DeviceUnavailable(f"cannot start the container: {problem}")
         return api.PreStartContainerResponse()
