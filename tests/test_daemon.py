@@ -12,27 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
+from daemon_support import HEALTHY_16, RESOURCE, log_line, serving
 
-from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
+from pcc_plugin.sim import FakeNode, SimKubelet, StartDaemon, run_blocking
 
-RESOURCE = "tke.cloud.tencent.com/pcc-device"
 ENDPOINT = re.compile(r"pcc-\d+-[0-9a-f]{6}-\d+\.sock")
-HEALTHY_16 = {f"pcc-{index}": "Healthy" for index in range(16)}
-
-
-async def serving(kubelet: SimKubelet, registrations: int = 1, resource: str = RESOURCE) -> str:
-    """Wait until kubelet holds `registrations` accepted ones and a live stream; the endpoint."""
-
-    def ready() -> bool:
-        accepted = [r for r in kubelet.registrations if r.accepted]
-        return len(accepted) >= registrations and kubelet.stream_open(resource)
-
-    await run_blocking(kubelet.wait_for, ready, 10.0)
-    return [r for r in kubelet.registrations if r.accepted][-1].endpoint
-
-
-async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
-    return await run_blocking(daemon.wait_for_log, text, 10.0, count=count)
 
 
 async def test_registers_serves_and_advertises_16_healthy_shares(
@@ -59,8 +43,9 @@ async def test_resource_count_and_name(
 ) -> None:
     with trio.fail_after(20):
         start_daemon(*fake_node.daemon_args(), "--resource-count=3", "-resource-name=example.com/x")
-        await serving(kubelet, resource="example.com/x")
-        assert kubelet.devices("example.com/x") == {f"pcc-{i}": "Healthy" for i in range(3)}
+        three = {f"pcc-{i}": "Healthy" for i in range(3)}
+        await serving(kubelet, devices=three, resource="example.com/x")
+        assert kubelet.devices("example.com/x") == three
 
 
 async def test_allocate_one_and_several_container_requests(

@@ -22,12 +22,12 @@ from typing import Any
 import grpc
 import pytest
 import trio
+from daemon_support import HEALTHY_16, RESOURCE, WAIT, log_line, serving
 
 from pcc_plugin.sim import (
     Daemon,
     FakeNode,
     NoPluginError,
-    Registration,
     SimKubelet,
     StartDaemon,
     run_blocking,
@@ -35,43 +35,9 @@ from pcc_plugin.sim import (
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.sim.kubelet import ALLOCATE, LIST_AND_WATCH
 
-RESOURCE = "tke.cloud.tencent.com/pcc-device"
-HEALTHY_16 = {f"pcc-{index}": "Healthy" for index in range(16)}
 OWN_SOCKET = re.compile(r"pcc-(\d+-[0-9a-f]{6})-\d+\.sock")
-WAIT = 10.0
 # How a call in flight may end when its peer goes away: answered first, or cut off.
 CUT_OFF_OR_ANSWERED = (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
-
-
-def accepted(kubelet: SimKubelet) -> list[Registration]:
-    return [registration for registration in kubelet.registrations if registration.accepted]
-
-
-async def serving(
-    kubelet: SimKubelet, registrations: int = 1, devices: dict[str, str] = HEALTHY_16
-) -> str:
-    """Wait for `registrations` accepted ones and the full list on a live stream; the endpoint.
-
-    Kubelet marks every device Unhealthy when its stream ends or it stops, so a Healthy list
-    here is a list sent on the newest stream.
-    """
-
-    def ready() -> bool:
-        registered = accepted(kubelet)
-        return (
-            len(registered) >= registrations
-            # A legacy kubelet keeps using the previous plugin until it has dialled the new one.
-            and kubelet.active_endpoint(RESOURCE) == registered[-1].endpoint
-            and kubelet.stream_open(RESOURCE)
-            and kubelet.devices(RESOURCE) == devices
-        )
-
-    await run_blocking(kubelet.wait_for, ready, WAIT)
-    return accepted(kubelet)[-1].endpoint
-
-
-async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
-    return await run_blocking(daemon.wait_for_log, text, WAIT, count=count)
 
 
 def lines_with(daemon: Daemon, text: str) -> list[str]:

@@ -9,10 +9,9 @@ import sys
 import grpc
 import pytest
 import trio
+from daemon_support import RESOURCE, log_line, serving
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
-
-RESOURCE = "tke.cloud.tencent.com/pcc-device"
 
 
 async def devices_become(kubelet: SimKubelet, health: str) -> None:
@@ -23,21 +22,12 @@ async def devices_become(kubelet: SimKubelet, health: str) -> None:
     await run_blocking(kubelet.wait_for, all_are, 10.0)
 
 
-async def serving(kubelet: SimKubelet) -> None:
-    await run_blocking(kubelet.wait_for, lambda: kubelet.stream_open(RESOURCE), 10.0)
-    await devices_become(kubelet, "Healthy")
-
-
 async def allocate_status(kubelet: SimKubelet) -> tuple[grpc.StatusCode, str]:
     try:
         await run_blocking(kubelet.allocate, RESOURCE, [["pcc-0"]])
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
-
-
-async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
-    return await run_blocking(daemon.wait_for_log, text, 10.0, count=count)
 
 
 async def test_device_going_and_coming_back(

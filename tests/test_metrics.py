@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
+from daemon_support import RESOURCE, log_line
 from prometheus_client.parser import text_string_to_metric_families
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
-RESOURCE = "tke.cloud.tencent.com/pcc-device"
 # Plain urllib, ignoring any proxy settings of the environment: the daemon is on loopback.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -53,10 +53,6 @@ async def scrape(port: int) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset({"resource": RESOURCE, **labels}.items()))]
-
-
-async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
-    return await run_blocking(daemon.wait_for_log, text, 10.0, count=count)
 
 
 async def metrics_port(daemon: Daemon) -> int:

@@ -1,0 +1,43 @@
+"""Waits shared by the tests that run the daemon against the simulated kubelet."""
+
+from __future__ import annotations
+
+from pcc_plugin.sim import Daemon, Registration, SimKubelet, run_blocking
+
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
+HEALTHY_16 = {f"pcc-{index}": "Healthy" for index in range(16)}
+WAIT = 10.0
+
+
+def accepted(kubelet: SimKubelet) -> list[Registration]:
+    return [registration for registration in kubelet.registrations if registration.accepted]
+
+
+async def serving(
+    kubelet: SimKubelet,
+    registrations: int = 1,
+    devices: dict[str, str] = HEALTHY_16,
+    resource: str = RESOURCE,
+) -> str:
+    """Wait for `registrations` accepted ones and the full list on a live stream; the endpoint.
+
+    Kubelet marks every device Unhealthy when its stream ends or it stops, so a Healthy list
+    here is a list sent on the newest stream.
+    """
+
+    def ready() -> bool:
+        registered = accepted(kubelet)
+        return (
+            len(registered) >= registrations
+            # A legacy kubelet keeps using the previous plugin until it has dialled the new one.
+            and kubelet.active_endpoint(resource) == registered[-1].endpoint
+            and kubelet.stream_open(resource)
+            and kubelet.devices(resource) == devices
+        )
+
+    await run_blocking(kubelet.wait_for, ready, WAIT)
+    return accepted(kubelet)[-1].endpoint
+
+
+async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
+    return await run_blocking(daemon.wait_for_log, text, WAIT, count=count)
