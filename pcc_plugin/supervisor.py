@@ -247,7 +247,7 @@ async def serve_generation(
         resource_name=plugin.spec.name,
         options=plugin.options(),
     )
-    plugin.stats.registered = False
+    # serve_kubelet has marked the resource not registered before this generation.
     plugin.stats.waiting_for = "registering with kubelet"
     stream = KubeletStream(plugin.stats)
     async with trio.open_nursery() as nursery:
