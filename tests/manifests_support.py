@@ -41,7 +41,7 @@ HOST_ROOT = "/host"
 DEVICE = "/dev/sev-guest"
 PCC_DIR = "/var/run/pcc"
 DEFAULT_IMAGE = "localhost/pcc-device-plugin"
-# The daemon's defaults for --metrics-bind-address and --cdi-spec-dir (pcc_plugin/cli.py).
+# The daemon's defaults for --metrics-bind-address and --cdi-spec-dir (pcc_plugin/flags.py).
 METRICS_BIND_ADDRESS = ":8080"
 CDI_SPEC_DIR = "/var/run/cdi"
 

@@ -13,9 +13,9 @@ import pytest
 
 from pcc_plugin import cdi
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.config import Config
-from pcc_plugin.devices import DevicePlugin
-from pcc_plugin.resources import DeviceNode, ResourceSpec, pcc_resource
+from pcc_plugin.flags import Flags
+from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.resource import DeviceNode, ResourceSpec
 from pcc_plugin.stats import ResourceStats
 
 # The parts of CDI spec 0.6.0 this plugin writes, from the specification's text:
@@ -85,7 +85,7 @@ CDI_0_6_SCHEMA: dict[str, Any] = {
 
 def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     cdi_dir = tmp_path / "cdi"
-    plugin = DevicePlugin(pcc_resource(Config()), str(host), ResourceStats(), cdi_spec_dir=cdi_dir)
+    plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=cdi_dir)
     path = cdi_dir / "tke.cloud.tencent.com-pcc-device.json"
     spec = json.loads(path.read_text())
     jsonschema.validate(spec, CDI_0_6_SCHEMA)
@@ -181,7 +181,7 @@ def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
 ) -> None:
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
-    plugin = DevicePlugin(pcc_resource(Config()), str(host), ResourceStats(), cdi_spec_dir=blocked)
+    plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=blocked)
     assert any("Cannot write CDI spec" in message for message in caplog.messages)
     request = api.AllocateRequest(
         container_requests=[api.ContainerAllocateRequest(devices_ids=["pcc-0"])]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.bridge import _DevicePluginService
+from pcc_plugin.grpc_server import _DevicePluginService
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))

@@ -13,22 +13,21 @@ import trio
 import trio.testing
 from asyncinotify import Event, Mask
 
-from pcc_plugin import bridge, supervisor
+from pcc_plugin import grpc_clients, supervisor
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.config import Config
-from pcc_plugin.devices import DeviceFeed, DevicePlugin
-from pcc_plugin.resources import ResourceSpec, pcc_resource
-from pcc_plugin.stats import ResourceStats
-from pcc_plugin.supervisor import (
+from pcc_plugin.errors import FatalError
+from pcc_plugin.flags import Flags
+from pcc_plugin.plugin import DeviceFeed, DevicePlugin
+from pcc_plugin.plugin_dir import SocketNames, is_own_socket, remove_stale_sockets, restart_reason
+from pcc_plugin.registration import (
     Backoff,
     KubeletStream,
-    Restart,
-    SocketNames,
     register_with_kubelet,
-    remove_stale_sockets,
     reregister_when_stream_ends,
 )
-from pcc_plugin.watch import FatalError, restart_reason
+from pcc_plugin.resource import ResourceSpec
+from pcc_plugin.stats import ResourceStats
+from pcc_plugin.supervisor import Restart
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 REQUEST = api.RegisterRequest(
@@ -63,7 +62,7 @@ async def test_register_retries_with_backoff_and_logs_each_reason_once(
         calls.append(trio.current_time())
         answer = answers.pop(0)
         if answer:
-            raise bridge.RegisterFailed(answer)
+            raise grpc_clients.RegisterFailed(answer)
 
     with bind_socket(tmp_path / "kubelet.sock"):
         backoff = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
@@ -174,18 +173,15 @@ async def test_only_the_first_stream_after_register_is_kubelets() -> None:
     assert not later.ended.is_set()
 
 
-SPEC = ResourceSpec(name="example.com/pcc", count=1, socket_prefix="pcc")
-
-
 def test_socket_names_are_fresh_and_recognised() -> None:
     names = SocketNames("pcc")
     first, second = next(names), next(names)
     assert first != second
-    assert SPEC.is_own_socket(first)
-    assert SPEC.is_own_socket(second)
-    assert not SPEC.is_own_socket("kubelet.sock")
-    assert not SPEC.is_own_socket("pcc-other.sock")
-    assert not SPEC.is_own_socket(next(SocketNames("disk")))
+    assert is_own_socket("pcc", first)
+    assert is_own_socket("pcc", second)
+    assert not is_own_socket("pcc", "kubelet.sock")
+    assert not is_own_socket("pcc", "pcc-other.sock")
+    assert not is_own_socket("pcc", next(SocketNames("disk")))
 
 
 def test_stale_sockets_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
@@ -195,7 +191,7 @@ def test_stale_sockets_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
     live.listen()
     with bind_socket(tmp_path / "nvidia.sock"), live:
         (tmp_path / "pcc-3-cc-0.sock").write_text("not a socket")
-        remove_stale_sockets(tmp_path, SPEC, keep="pcc-9-ff-0.sock")
+        remove_stale_sockets(tmp_path, "pcc", keep="pcc-9-ff-0.sock")
         assert sorted(p.name for p in tmp_path.iterdir()) == [
             "nvidia.sock",
             "pcc-2-bb-0.sock",
@@ -238,16 +234,16 @@ async def test_a_failing_resource_is_restarted_alone(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    config = Config(host_root=str(host))
+    config = Flags(host_root=str(host))
     broken = DevicePlugin(
         ResourceSpec(name="example.com/broken", count=1, socket_prefix="broken"),
         "",
         ResourceStats(),
     )
-    healthy = DevicePlugin(pcc_resource(config), str(host), ResourceStats())
+    healthy = DevicePlugin(config.pcc_resource(), str(host), ResourceStats())
     attempts: dict[str, list[float]] = {"example.com/broken": [], RESOURCE: []}
 
-    async def serve_resource(_: Config, plugin: DevicePlugin) -> None:
+    async def serve_resource(_: Flags, plugin: DevicePlugin) -> None:
         attempts[plugin.spec.name].append(trio.current_time())
         if plugin is broken and len(attempts[plugin.spec.name]) < 3:
             raise RuntimeError("boom")
@@ -271,11 +267,11 @@ async def test_a_failing_resource_is_restarted_alone(
 async def test_a_fatal_error_in_a_resource_stops_the_daemon(
     host: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def serve_resource(_: Config, __: DevicePlugin) -> None:
+    async def serve_resource(_: Flags, __: DevicePlugin) -> None:
         raise FatalError("cannot create the socket")
 
     monkeypatch.setattr(supervisor, "serve_resource", serve_resource)
-    config = Config(host_root=str(host))
-    plugin = DevicePlugin(pcc_resource(config), str(host), ResourceStats())
+    config = Flags(host_root=str(host))
+    plugin = DevicePlugin(config.pcc_resource(), str(host), ResourceStats())
     with pytest.raises(FatalError):
         await supervisor.supervise_resource(config, plugin)

@@ -13,10 +13,9 @@ import grpc
 import pytest
 import trio
 
-from pcc_plugin import bridge
-from pcc_plugin.config import Config
-from pcc_plugin.devices import DeviceFeed, DevicePlugin
-from pcc_plugin.resources import pcc_resource
+from pcc_plugin import bridge, grpc_server
+from pcc_plugin.flags import Flags
+from pcc_plugin.plugin import DeviceFeed, DevicePlugin
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.stats import ResourceStats
 
@@ -49,12 +48,12 @@ def watch_in_thread(path: Path, outcome: queue.Queue[object]) -> grpc.Channel:
 
 
 async def test_teardown_closes_live_streams_and_removes_the_socket(socket_path: Path) -> None:
-    plugin = DevicePlugin(pcc_resource(Config()), "", ResourceStats())
+    plugin = DevicePlugin(Flags().pcc_resource(), "", ResourceStats())
     outcome: queue.Queue[object] = queue.Queue()
     get = functools.partial(trio.to_thread.run_sync, outcome.get, abandon_on_cancel=True)
     with trio.fail_after(10):
         async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
-            await nursery.start(bridge.serve, plugin, plugin.feed.stream, socket_path)
+            await nursery.start(grpc_server.serve, plugin, plugin.feed.stream, socket_path)
             channel = watch_in_thread(socket_path, outcome)
             assert await get() == 16
             nursery.cancel_scope.cancel()
@@ -65,10 +64,10 @@ async def test_teardown_closes_live_streams_and_removes_the_socket(socket_path: 
 
 
 async def test_teardown_leaves_a_socket_someone_else_replaced(socket_path: Path) -> None:
-    plugin = DevicePlugin(pcc_resource(Config()), "", ResourceStats())
+    plugin = DevicePlugin(Flags().pcc_resource(), "", ResourceStats())
     with trio.fail_after(10):
         async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
-            await nursery.start(bridge.serve, plugin, DeviceFeed(b"").stream, socket_path)
+            await nursery.start(grpc_server.serve, plugin, DeviceFeed(b"").stream, socket_path)
             socket_path.unlink()
             socket_path.write_text("someone else's")
             nursery.cancel_scope.cancel()

@@ -8,17 +8,17 @@ from typing import Any
 import pytest
 
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.config import Config
-from pcc_plugin.devices import DevicePlugin, DeviceUnavailable, RequestError, encode_listing
-from pcc_plugin.resources import DeviceNode, HostMount, ResourceSpec, pcc_resource
+from pcc_plugin.flags import Flags
+from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError, encode_listing
+from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.stats import ResourceStats
 
 
 def pcc_plugin(host: Path, pre_start_check: bool = False, **flags: Any) -> DevicePlugin:
-    config = Config(host_root=str(host), **flags)
+    config = Flags(host_root=str(host), **flags)
     return DevicePlugin(
-        pcc_resource(config), config.host_root, ResourceStats(), pre_start_check=pre_start_check
+        config.pcc_resource(), config.host_root, ResourceStats(), pre_start_check=pre_start_check
     )
 
 

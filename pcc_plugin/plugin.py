@@ -1,4 +1,4 @@
-"""What the plugin advertises and answers for one resource."""
+"""One resource as kubelet sees it: its device list, kept in step with the node, and its answers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import trio
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.klog import V1
-from pcc_plugin.resources import Device, DeviceNode, ResourceSpec, take_inventory
+from pcc_plugin.resource import Device, DeviceNode, ResourceSpec, grant, take_inventory
 from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
@@ -172,8 +172,7 @@ class DevicePlugin:
         return api.AllocateResponse(container_responses=responses)
 
     def _container_response(self, devices: list[Device]) -> api.ContainerAllocateResponse:
-        # Several shares of one node still give that node, and each mount, once.
-        nodes = {node.host_path: node for device in devices for node in device.nodes}
+        given = grant(self.spec, devices)
         response = api.ContainerAllocateResponse(
             devices=[
                 api.DeviceSpec(
@@ -181,7 +180,7 @@ class DevicePlugin:
                     host_path=node.host_path,
                     permissions=node.permissions,
                 )
-                for node in nodes.values()
+                for node in given.device_nodes
             ],
             mounts=[
                 api.Mount(
@@ -189,9 +188,9 @@ class DevicePlugin:
                     host_path=mount.host_path,
                     read_only=mount.read_only,
                 )
-                for mount in self.spec.mounts
+                for mount in given.mounts
             ],
-            envs=dict(self.spec.envs),
+            envs=dict(given.envs),
         )
         if self._cdi_spec_dir is not None:
             from pcc_plugin import cdi

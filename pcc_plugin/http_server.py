@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from importlib.metadata import version
 
 import trio
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from pcc_plugin.devices import DevicePlugin
+from pcc_plugin import __version__
+from pcc_plugin.plugin import DevicePlugin
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class PluginCollector(Collector):
 
     def __init__(self, plugins: Sequence[DevicePlugin]) -> None:
         self._plugins = plugins
-        self._version = version("pcc-device-plugin")
+        self._version = __version__
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
         info = InfoMetricFamily("pcc_device_plugin_build", "Build information.")
