@@ -293,7 +293,8 @@ def bytecode_env(cache: Path) -> dict[str, str]:
     for flags in ([], ["-OO"]):
         subprocess.run(
             [sys.executable, *flags, "-c", "import pcc_plugin.main, pcc_plugin.supervisor, "
-             "pcc_plugin.http_server"], check=True, cwd=ROOT, env={**os.environ, **env}, timeout=WAIT,
+             "pcc_plugin.http_server"],
+            check=True, cwd=ROOT, env={**os.environ, **env}, timeout=WAIT,
         )  # fmt: skip
     return env
 

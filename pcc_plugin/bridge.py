@@ -1,15 +1,16 @@
 """The one place where trio meets asyncio: grpclib runs on an asyncio loop inside trio.
 
-trio-asyncio runs that loop as part of trio's run. This module is the only one
-that imports trio_asyncio; the gRPC server and clients await asyncio code
-through `call_asyncio` and run trio code from asyncio through `call_trio`.
+trio-asyncio runs that loop as part of trio's run, on the same thread. This
+module is the only one that imports trio_asyncio; trio code awaits asyncio code
+through `call_asyncio`. The other way needs no bridge: asyncio callbacks may
+set a trio.Event, and trio code may set an asyncio.Event, on this one thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import trio_asyncio
 
@@ -30,8 +31,3 @@ async def call_asyncio(
     """Await asyncio code from trio (cancellation crosses over both ways)."""
     result: _Result = await trio_asyncio.aio_as_trio(function)(*args, **kwargs)
     return result
-
-
-async def call_trio(function: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-    """Await trio code from asyncio."""
-    return await trio_asyncio.trio_as_aio(function)(*args)

@@ -25,6 +25,10 @@ class RegisterFailed(Exception):
     """Kubelet did not accept the registration; the message says why."""
 
 
+class Unreachable(RegisterFailed):
+    """Kubelet did not answer at all (not listening yet, gone, or too slow)."""
+
+
 async def register(kubelet_socket: Path, request: api.RegisterRequest, deadline: float) -> None:
     """Call kubelet's Register; raise RegisterFailed with kubelet's reason otherwise.
 
@@ -37,9 +41,9 @@ async def register(kubelet_socket: Path, request: api.RegisterRequest, deadline:
     except grpclib.exceptions.GRPCError as exc:
         raise RegisterFailed(f"kubelet answered {exc.status.name}: {exc.message}") from None
     except TimeoutError:
-        raise RegisterFailed(f"kubelet did not answer within {deadline:g} s") from None
+        raise Unreachable(f"kubelet did not answer within {deadline:g} s") from None
     except _UNREACHABLE as exc:
-        raise RegisterFailed(f"cannot reach {kubelet_socket}: {exc}") from None
+        raise Unreachable(f"cannot reach {kubelet_socket}: {exc}") from None
     finally:
         channel.close()
 

@@ -1,171 +1,485 @@
-"""The DevicePlugin gRPC server: grpclib on a unix socket, answering for one resource."""
+"""A gRPC server on a unix socket that no client can take down or stall.
+
+It accepts connections itself, in trio, and runs grpclib's HTTP/2 protocol on
+each; every connection is a task of the nursery that serves the socket, so
+cancelling that nursery closes every connection, cancels every request and
+waits for them (at most `TEARDOWN_GRACE`), and nothing of a generation outlives it.
+
+Limits (README, "Limits"), each against one way a neighbour can hurt us:
+
+- `MAX_CONNECTIONS` at once. Kubelet holds one; tools a few more. When the
+  limit is reached, the oldest connection that has not yet sent a request is
+  closed to make room (kubelet sends its request at once), else the newcomer.
+- A connection must send the HTTP/2 preface and a request within
+  `FIRST_REQUEST_TIMEOUT`, and is closed after `IDLE_TIMEOUT` without an open
+  stream (kubelet's always has its ListAndWatch stream).
+- `accept()` failing for lack of descriptors or memory is waited out and retried.
+- A message may have at most `MAX_MESSAGE_BYTES` (gRPC's and kubelet's
+  default); a larger one is refused from its 5-byte prefix, before any of it is
+  read, with RESOURCE_EXHAUSTED, and its stream is reset. Flow-control windows
+  of `WINDOW` bytes stop a peer from pushing more than that ahead of us.
+  Messages larger than `WINDOW` share a budget of `LARGE_MESSAGE_BUDGET` bytes.
+- A request must arrive whole within `RECEIVE_TIMEOUT`; a unary call must be
+  answered within `UNARY_TIMEOUT` (or the client's shorter deadline).
+- Nothing a client sends is answered UNKNOWN; a handler's unexpected error is
+  logged with its traceback, counted, and answered INTERNAL.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
+import itertools
 import logging
 import os
-from collections.abc import Awaitable, Callable
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+import attrs
 import grpclib.const
-import grpclib.encoding.proto
 import grpclib.exceptions
-import grpclib.server
 import trio
 
-from pcc_plugin._betterproto2 import type_problem
-from pcc_plugin._grpclib import ConnectionClosingServer
-from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.bridge import call_asyncio, call_trio
-from pcc_plugin.plugin import DeviceUnavailable, RequestError
+from pcc_plugin import _grpclib
+from pcc_plugin.bridge import call_asyncio
+from pcc_plugin.fs import Identity, identity
+from pcc_plugin.klog import V1, BurstLog
 
 log = logging.getLogger(__name__)
 
 Status = grpclib.const.Status
+GRPCError = grpclib.exceptions.GRPCError
+
+MAX_CONNECTIONS = 32
+MAX_STREAMS_PER_CONNECTION = 32
+FIRST_REQUEST_TIMEOUT = 5.0
+IDLE_TIMEOUT = 60.0
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+WINDOW = 65_535
+LARGE_MESSAGE_BUDGET = 8 * 1024 * 1024
+RECEIVE_TIMEOUT = 10.0
+UNARY_TIMEOUT = 30.0
+BACKLOG = 64
+# accept() failed for lack of descriptors or memory: what frees them takes a moment.
+ACCEPT_RETRY = 0.1
+TEARDOWN_GRACE = 1.0
+_RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_GRPC_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
-class _Codec(grpclib.encoding.proto.ProtoCodec):
-    """Protobuf codec that answers undecodable requests with INVALID_ARGUMENT.
+class Call:
+    """One gRPC call, as a method sees it: read the request, send answers."""
 
-    grpclib's own codec lets a decode error escape as an application error
-    (a logged traceback and status UNKNOWN). Pre-encoded bytes pass through,
-    so one device list can be encoded once and sent on every stream.
-    """
+    def __init__(
+        self, server: Server, connection: Connection, stream: _grpclib.H2Stream, path: str
+    ) -> None:
+        self.server = server
+        self.connection = connection
+        self.path = path
+        self._stream = stream
+        self._answer: _grpclib.AnswerStream | None = None
 
-    def encode(self, message: Any, message_type: Any) -> bytes:
-        if isinstance(message, bytes):
-            return message
-        return super().encode(message, message_type)
+    async def receive(self) -> bytes:
+        """The request message (empty bytes for an absent one), read within the limits above."""
+        async with _deadline(RECEIVE_TIMEOUT, "the request did not arrive"):
+            prefix = await _grpclib.receive_exactly(self._stream, 5)
+            if not prefix:
+                return b""
+            if prefix[0] not in (0, 1):
+                raise GRPCError(Status.INVALID_ARGUMENT, "malformed message prefix")
+            if prefix[0] == 1:
+                raise GRPCError(
+                    Status.UNIMPLEMENTED,
+                    "compressed messages are not accepted: this server offers no compression",
+                )
+            size = int.from_bytes(prefix[1:], "big")
+            if size > MAX_MESSAGE_BYTES:
+                raise GRPCError(
+                    Status.RESOURCE_EXHAUSTED,
+                    f"a message of {size} bytes is larger than the {MAX_MESSAGE_BYTES} accepted",
+                )
+            with self.server.budget.reserve(size):
+                return await _grpclib.receive_exactly(self._stream, size)
 
-    def decode(self, data: bytes, message_type: Any) -> Any:
-        try:
-            message = message_type.FromString(data)
-            problem = type_problem(message)
-        except Exception as exc:
-            problem = str(exc)
-        if problem:
-            raise grpclib.exceptions.GRPCError(
-                Status.INVALID_ARGUMENT, f"cannot decode {message_type.__name__}: {problem}"
+    async def send(self, payload: bytes) -> None:
+        if self._answer is None:
+            self._answer = _grpclib.answer_stream(
+                self._stream, self.path, self.server.methods[self.path].streaming
             )
-        return message
+        await self._answer.send_message(payload)
+
+    async def finish(self, status: Status, message: str | None) -> None:
+        if self._answer is None:
+            self._answer = _grpclib.answer_stream(
+                self._stream, self.path, self.server.methods[self.path].streaming
+            )
+        if status is Status.OK or message is None:
+            await self._answer.send_trailing_metadata(status=status, status_message=message)
+        else:
+            # grpc-message travels in a trailer that clients cap at 8 KiB.
+            await self._answer.send_trailing_metadata(status=status, status_message=message[:1024])
 
 
-class DevicePluginLogic(Protocol):
-    """What the daemon answers for one resource; implemented by `plugin.DevicePlugin`."""
-
-    def options(self) -> api.DevicePluginOptions: ...
-    def allocate(self, request: api.AllocateRequest) -> api.AllocateResponse: ...
-    def pre_start_container(
-        self, request: api.PreStartContainerRequest
-    ) -> api.PreStartContainerResponse: ...
+Method = Callable[[Call], Awaitable[None]]
 
 
-Stream = grpclib.server.Stream[Any, Any]
+@attrs.frozen
+class MethodSpec:
+    handler: Method
+    streaming: bool = False
 
 
-class _DevicePluginService(api.DevicePluginBase):
-    """grpclib handlers for the generated DevicePlugin paths.
+@attrs.define
+class LargeMessageBudget:
+    """Bytes of large messages being read at once, across every connection."""
 
-    The generated handlers assert that a request arrived and let handler
-    errors become UNKNOWN; these answer every bad request with
-    INVALID_ARGUMENT instead, and run ListAndWatch as trio code.
+    limit: int = LARGE_MESSAGE_BUDGET
+    in_use: int = 0
+
+    def reserve(self, size: int) -> _Reservation:
+        return _Reservation(self, size if size > WINDOW else 0)
+
+
+@attrs.define
+class _Reservation:
+    budget: LargeMessageBudget
+    size: int
+
+    def __enter__(self) -> None:
+        if self.budget.in_use + self.size > self.budget.limit:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"busy reading other large messages; retry, or send less than {WINDOW} bytes",
+            )
+        self.budget.in_use += self.size
+
+    def __exit__(self, *_: object) -> None:
+        self.budget.in_use -= self.size
+
+
+@contextlib.asynccontextmanager
+async def _deadline(seconds: float | None, what: str) -> AsyncIterator[None]:
+    """asyncio.timeout, ending in DEADLINE_EXCEEDED that says what was late."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        raise GRPCError(Status.DEADLINE_EXCEEDED, f"{what} in time") from None
+
+
+class Connection(_grpclib.Handler):
+    """One client connection: its requests run as asyncio tasks owned by it.
+
+    grpclib's protocol calls `accept` for each request, `cancel` when the
+    client resets a stream and `close` when the connection is lost. The
+    connection's trio task (`Server.serve_connection`) waits on `changed`.
     """
+
+    _numbers = itertools.count(1)
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.number = next(self._numbers)
+        self.accepted_at = time.monotonic()
+        self.requests = 0
+        self.closed = False
+        self.protocol: Any = None
+        self._tasks: dict[_grpclib.H2Stream, asyncio.Task[None]] = {}
+        self._changed = trio.Event()
+
+    def __repr__(self) -> str:
+        return f"connection {self.number}"
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._tasks)
+
+    async def changed(self) -> None:
+        """Until the next request, stream end or close."""
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # grpclib's side (asyncio)
+
+    def accept(
+        self,
+        stream: _grpclib.H2Stream,
+        headers: list[tuple[str, str]],
+        release_stream: Callable[[], Any],
+    ) -> None:
+        self.requests += 1
+        task = asyncio.get_running_loop().create_task(
+            self.server.handle(self, stream, headers, release_stream)
+        )
+        self._tasks[stream] = task
+        task.add_done_callback(lambda _: self._finished(stream))
+        self._notify()
+
+    def _finished(self, stream: _grpclib.H2Stream) -> None:
+        self._tasks.pop(stream, None)
+        self._notify()
+
+    def cancel(self, stream: _grpclib.H2Stream) -> None:
+        task = self._tasks.get(stream)
+        if task is not None:
+            task.cancel()
+
+    def close(self) -> None:
+        self.closed = True
+        for task in self._tasks.values():
+            task.cancel()
+        self._notify()
+
+    # our side (trio)
+
+    def shut(self) -> None:
+        """Close the connection: its requests are cancelled, its streams end."""
+        if self.protocol is not None:
+            self.protocol.connection.close()
+        self.close()
+
+    async def wait_finished(self) -> None:
+        tasks = list(self._tasks.values())
+        if tasks:
+            await call_asyncio(asyncio.wait, tasks)
+
+
+# Told of a bug: where (a method's path, or "connection") and the exception.
+OnError = Callable[[str, BaseException], None]
+
+
+class Server:
+    """Serves `methods` (path -> MethodSpec) on a listening unix socket."""
 
     def __init__(
         self,
-        logic: DevicePluginLogic,
-        list_and_watch: Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]],
+        methods: Mapping[str, MethodSpec],
+        on_error: OnError,
+        on_close: Callable[[Connection], None] = lambda _: None,
     ) -> None:
-        self._logic = logic
-        self._list_and_watch_trio = list_and_watch
+        self.methods = methods
+        self.on_error = on_error
+        self.on_close = on_close
+        self.budget = LargeMessageBudget()
+        self.connections: list[Connection] = []
+        self._refused = BurstLog(log, logging.WARNING)
+        self._accept_failed = BurstLog(log, logging.WARNING)
 
-    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-        own = {
-            "/v1beta1.DevicePlugin/GetDevicePluginOptions": self._options,
-            "/v1beta1.DevicePlugin/ListAndWatch": self._list_and_watch,
-            "/v1beta1.DevicePlugin/GetPreferredAllocation": self._preferred_allocation,
-            "/v1beta1.DevicePlugin/Allocate": self._allocate,
-            "/v1beta1.DevicePlugin/PreStartContainer": self._pre_start_container,
-        }
-        return {
-            path: handler._replace(func=own[path])
-            for path, handler in super().__mapping__().items()
-        }
+    async def serve(
+        self,
+        listener: socket.socket,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept and serve connections until cancelled, then close every one."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                sock = await self._accept(listener)
+                if sock is not None:
+                    nursery.start_soon(self.serve_connection, sock)
 
-    @staticmethod
-    async def _request(stream: Stream) -> Any:
-        request = await stream.recv_message()
-        if request is None:
-            raise grpclib.exceptions.GRPCError(Status.INVALID_ARGUMENT, "no request message")
-        return request
-
-    async def _unary(self, stream: Stream, answer: Callable[[Any], Any]) -> None:
-        request = await self._request(stream)
+    async def _accept(self, listener: socket.socket) -> socket.socket | None:
+        await trio.lowlevel.wait_readable(listener)
         try:
-            response = answer(request)
-        except RequestError as exc:
-            raise grpclib.exceptions.GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
-        except DeviceUnavailable as exc:
-            raise grpclib.exceptions.GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
-        await stream.send_message(response)
-
-    async def _options(self, stream: Stream) -> None:
-        await self._unary(stream, lambda _: self._logic.options())
-
-    async def _allocate(self, stream: Stream) -> None:
-        await self._unary(stream, self._logic.allocate)
-
-    async def _pre_start_container(self, stream: Stream) -> None:
-        await self._unary(stream, self._logic.pre_start_container)
-
-    async def _preferred_allocation(self, stream: Stream) -> None:
-        await self._request(stream)
-        raise grpclib.exceptions.GRPCError(
-            Status.UNIMPLEMENTED,
-            "GetPreferredAllocation is not offered: every share is the same device",
+            sock, _ = listener.accept()
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            if exc.errno in _RESOURCE_ERRORS:
+                self._accept_failed.log(
+                    "Cannot accept connections on %s: %s; retrying",
+                    listener.getsockname(),
+                    os.strerror(exc.errno or 0),
+                )
+                await trio.sleep(ACCEPT_RETRY)
+                return None
+            if exc.errno == errno.ECONNABORTED:
+                return None
+            raise
+        if len(self.connections) < MAX_CONNECTIONS:
+            return sock
+        waiting = [c for c in self.connections if not c.requests and not c.closed]
+        if waiting:
+            victim = min(waiting, key=lambda connection: connection.accepted_at)
+            self._refused.log(
+                "%d connections open, the limit: closing the oldest that sent no request",
+                len(self.connections),
+            )
+            victim.shut()
+            return sock
+        self._refused.log(
+            "%d connections open, the limit, each busy: refusing new ones", len(self.connections)
         )
+        sock.close()
+        return None
 
-    async def _list_and_watch(self, stream: Stream) -> None:
-        await self._request(stream)
+    async def serve_connection(self, sock: socket.socket) -> None:
+        connection = Connection(self)
+        self.connections.append(connection)
+        try:
+            sock.setblocking(False)
+            connection.protocol = await _grpclib.accept(
+                sock, connection, WINDOW, MAX_STREAMS_PER_CONNECTION
+            )
+            await self._watch(connection)
+        except OSError as exc:
+            log.log(V1, "%s failed: %s", connection, exc)
+        except Exception as exc:
+            # A bug, contained to this connection: the server goes on.
+            self.on_error("connection", exc)
+        finally:
+            self.connections.remove(connection)
+            self.on_close(connection)
+            with trio.CancelScope(shield=True), trio.move_on_after(TEARDOWN_GRACE):
+                connection.shut()
+                await connection.wait_finished()
+            sock.close()
 
-        async def send(payload: bytes) -> None:
-            await call_asyncio(stream.send_message, payload)
+    async def _watch(self, connection: Connection) -> None:
+        """Until the connection closes, or must be closed for silence or idleness."""
+        with trio.move_on_after(FIRST_REQUEST_TIMEOUT):
+            while not connection.requests and not connection.closed:
+                await connection.changed()
+        if not connection.requests:
+            if not connection.closed:
+                log.log(V1, "Closing %s: no request within %g s", connection,
+                        FIRST_REQUEST_TIMEOUT)  # fmt: skip
+            return
+        while not connection.closed:
+            if connection.open_streams:
+                await connection.changed()
+                continue
+            with trio.move_on_after(IDLE_TIMEOUT) as idle:
+                await connection.changed()
+            if idle.cancelled_caught:
+                log.log(V1, "Closing %s: idle for %g s", connection, IDLE_TIMEOUT)
+                return
 
-        await call_trio(self._list_and_watch_trio, send)
+    # asyncio: one request
+
+    async def handle(
+        self,
+        connection: Connection,
+        stream: _grpclib.H2Stream,
+        headers: list[tuple[str, str]],
+        release_stream: Callable[[], Any],
+    ) -> None:
+        fields = dict(headers)
+        path = fields.get(":path", "")
+        call = Call(self, connection, stream, path)
+        try:
+            problem = _header_problem(fields, self.methods)
+            if problem is not None:
+                await call.finish(*problem)
+                return
+            method = self.methods[path]
+            timeout = _client_timeout(fields)
+            if not method.streaming:
+                timeout = min(timeout or UNARY_TIMEOUT, UNARY_TIMEOUT)
+            status, message = Status.OK, None
+            try:
+                async with _deadline(timeout, "the call was not answered"):
+                    await method.handler(call)
+            except GRPCError as exc:
+                status, message = exc.status, exc.message
+            except _grpclib.StreamEnded as exc:
+                status, message = Status.INVALID_ARGUMENT, str(exc)
+            except Exception as exc:
+                self.on_error(path, exc)
+                status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}"
+            if stream.closable:
+                await call.finish(status, message)
+        except (OSError, grpclib.exceptions.StreamTerminatedError, _grpclib.StreamEnded):
+            pass  # the client went away mid-answer
+        except GRPCError:
+            pass  # the trailers could not be sent: the stream is already gone
+        except Exception as exc:
+            self.on_error(path, exc)
+        finally:
+            release_stream()
+
+
+def _header_problem(
+    fields: Mapping[str, str], methods: Mapping[str, MethodSpec]
+) -> tuple[Status, str] | None:
+    if fields.get(":method") != "POST":
+        return Status.INVALID_ARGUMENT, "gRPC requests use POST"
+    content_type = fields.get("content-type", "")
+    if content_type.partition("+")[::2] not in (
+        ("application/grpc", ""),
+        ("application/grpc", "proto"),
+    ):
+        return (
+            Status.INVALID_ARGUMENT,
+            f"content-type {content_type[:64]!r} is not application/grpc",
+        )
+    if fields.get(":path") not in methods:
+        return Status.UNIMPLEMENTED, f"no method {fields.get(':path', '')[:128]!r} here"
+    timeout = fields.get("grpc-timeout")
+    if timeout is not None and _parse_timeout(timeout) is None:
+        return Status.INVALID_ARGUMENT, f"grpc-timeout {timeout[:16]!r} is malformed"
+    return None
+
+
+def _parse_timeout(text: str) -> float | None:
+    value, unit = text[:-1], text[-1:]
+    if not value.isdigit() or len(value) > 8 or unit not in _GRPC_TIMEOUT_UNITS:
+        return None
+    return int(value) * _GRPC_TIMEOUT_UNITS[unit]
+
+
+def _client_timeout(fields: Mapping[str, str]) -> float | None:
+    text = fields.get("grpc-timeout")
+    return None if text is None else _parse_timeout(text)
+
+
+# The socket
+
+
+def bind(path: Path) -> tuple[socket.socket, Identity]:
+    """A listening unix socket at `path`, and the identity of its file.
+
+    Raises OSError (PermissionError, FileNotFoundError, ...) with the path;
+    nothing is left open on failure.
+    """
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        listener.setblocking(False)
+        listener.bind(os.fspath(path))
+        own = identity(path)
+        if own is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+        listener.listen(BACKLOG)
+    except BaseException:
+        listener.close()
+        raise
+    return listener, own
 
 
 async def serve(
-    logic: DevicePluginLogic,
-    list_and_watch: Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]],
-    socket_path: Path,
+    server: Server,
+    listener: socket.socket,
+    path: Path,
+    own: Identity,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the DevicePlugin service on `socket_path` until cancelled.
-
-    Started once the socket accepts connections. On the way out it closes
-    every client connection and removes the socket file, unless someone else
-    has replaced it in the meantime.
-    """
-    server = ConnectionClosingServer([_DevicePluginService(logic, list_and_watch)], codec=_Codec())
-    # Shielded: asyncio's create_unix_server, cancelled in its last step, leaves
-    # a listening socket that nothing references and nothing closes.
-    with trio.CancelScope(shield=True):
-        await call_asyncio(server.start, path=str(socket_path))
-    own_inode = os.stat(socket_path).st_ino
+    """Serve on `listener` until cancelled; then close it and remove its file if still ours."""
     try:
-        task_status.started()
-        await trio.sleep_forever()
+        await server.serve(listener, task_status=task_status)
     finally:
-        # Shielded: in a cancelled scope an unshielded await here would raise at
-        # once and leak the listener and its connections on every restart.
-        with trio.CancelScope(shield=True), trio.move_on_after(1):
-            server.close()
-            server.close_connections()
-            await call_asyncio(server.wait_closed)
-        try:
-            if os.stat(socket_path).st_ino == own_inode:
-                os.unlink(socket_path)
-        except FileNotFoundError:
-            pass
+        trio.lowlevel.notify_closing(listener)
+        listener.close()
+        if identity(path) == own:
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                log.log(V1, "Cannot remove %s: %s", path, exc.strerror)

@@ -19,7 +19,7 @@ from pathlib import Path
 import trio
 from asyncinotify import Event, Mask
 
-from pcc_plugin.fs import connect_error
+from pcc_plugin.fs import Identity, connect_error, identity
 from pcc_plugin.inotify import APPEARED, DIR_GONE, VANISHED, next_events, open_inotify
 from pcc_plugin.klog import V1
 
@@ -72,8 +72,14 @@ def remove_stale_sockets(plugin_dir: Path, prefix: str, keep: str) -> None:
         log.info("Removed stale socket %s", path)
 
 
-def restart_reason(events: list[Event], plugin_dir: Path, endpoint: str) -> str | None:
-    """Why a batch of events calls for a restart, or None; logs what it sees."""
+def restart_reason(
+    events: list[Event], plugin_dir: Path, endpoint: str, own: Identity
+) -> str | None:
+    """Why a batch of events calls for a restart, or None; logs what it sees.
+
+    Our socket is known by its identity, not its name: deleted, or replaced by
+    a file or by someone else's socket, it is no longer ours to serve on.
+    """
     kubelet_socket = plugin_dir / KUBELET_SOCKET
     names: dict[str, Mask] = {}
     for event in events:
@@ -90,26 +96,36 @@ def restart_reason(events: list[Event], plugin_dir: Path, endpoint: str) -> str 
     if names.get(KUBELET_SOCKET, Mask(0)) & APPEARED and kubelet_socket.exists():
         log.info("inotify: %s created, restarting.", kubelet_socket)
         return "kubelet restarted"
-    own_socket = plugin_dir / endpoint
-    if names.get(endpoint, Mask(0)) & VANISHED and not own_socket.exists():
-        log.warning("inotify: own socket %s was removed, restarting.", own_socket)
-        return "own socket removed"
+    if endpoint in names:
+        reason = own_socket_problem(plugin_dir / endpoint, own)
+        if reason:
+            log.warning("inotify: own socket %s %s, restarting.", plugin_dir / endpoint, reason)
+            return f"own socket {reason}"
     if names.get(KUBELET_SOCKET, Mask(0)) & VANISHED:
         log.log(V1, "inotify: %s removed; waiting for kubelet to create it.", kubelet_socket)
     return None
 
 
+def own_socket_problem(path: Path, own: Identity) -> str | None:
+    now = identity(path)
+    if now == own:
+        return None
+    return "was removed" if now is None else "was replaced by another file"
+
+
 async def watch_plugin_dir(
     plugin_dir: Path,
     endpoint: str,
+    own: Identity,
     restart: Callable[[str], None],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Call `restart(reason)` when kubelet restarts, our socket goes, or the directory goes.
 
-    Started once the watch is in place, so whatever happens after that is seen.
-    Events are hints: the state is looked up again before acting on them.
+    Started once the watch is in place and our socket was seen still ours, so
+    whatever happens after that is seen. Events are hints: the state is looked
+    up again before acting on them.
     """
     with open_inotify() as inotify:
         try:
@@ -119,7 +135,11 @@ async def watch_plugin_dir(
             restart(f"{plugin_dir} disappeared")
             return
         task_status.started()
+        # Watch first, then look: a change before the watch is caught here.
+        reason = own_socket_problem(plugin_dir / endpoint, own)
+        if reason:
+            restart(f"own socket {reason}")
         while True:
-            reason = restart_reason(await next_events(inotify), plugin_dir, endpoint)
+            reason = restart_reason(await next_events(inotify), plugin_dir, endpoint, own)
             if reason:
                 restart(reason)

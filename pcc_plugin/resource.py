@@ -225,6 +225,8 @@ class Grant:
     device_nodes: tuple[DeviceNode, ...]
     mounts: tuple[HostMount, ...]
     envs: tuple[tuple[str, str], ...]
+    # Fully qualified CDI device names, with --cdi.
+    cdi_devices: tuple[str, ...] = ()
 
 
 def grant(spec: ResourceSpec, devices: list[Device]) -> Grant:

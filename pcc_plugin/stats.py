@@ -18,6 +18,13 @@ class ResourceStats:
     kubelet_restarts: int = 0
     # Allocate answers by result: ok, invalid, unavailable.
     allocations: collections.Counter[str] = attrs.Factory(collections.Counter)
+    # Unexpected errors in gRPC handlers, by method.
+    handler_errors: collections.Counter[str] = attrs.Factory(collections.Counter)
+    # Generations served (sockets), and why the last one ended.
+    generation: int = 0
+    last_restart_reason: str = ""
+    # Why the socket cannot be served (a filesystem fault), while it cannot.
+    serving_problem: str | None = None
     healthy_devices: int = 0
     unhealthy_devices: int = 0
     streams_open: int = 0

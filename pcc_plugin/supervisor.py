@@ -21,7 +21,6 @@ A generation ends only by cancellation, through `Restart`, which records why.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -41,12 +40,16 @@ from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.plugin_dir import SocketNames, remove_stale_sockets, watch_plugin_dir
 from pcc_plugin.registration import (
     API_VERSION,
+    STREAM_ENDED,
     Backoff,
-    KubeletStream,
+    KubeletLink,
+    Reachability,
+    forget_faults_when_stable,
     register_with_kubelet,
     reregister_when_stream_ends,
 )
 from pcc_plugin.resource import ResourceSpec
+from pcc_plugin.service import DevicePluginService
 from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
@@ -124,11 +127,16 @@ async def serve(config: Flags, plugins: list[DevicePlugin]) -> None:
 
 
 async def supervise_resource(config: Flags, plugin: DevicePlugin) -> None:
-    """Serve one resource; if it fails, restart it alone so the others keep serving."""
+    """Serve one resource; if it fails, restart it alone so the others keep serving.
+
+    Only a bug gets here (faults of the node are handled where they happen):
+    it is logged with its traceback. The backoff forgets once the resource
+    has served kubelet for a while (`registration.STABLE_AFTER`).
+    """
     backoff = Backoff(first=1.0, cap=60.0)
     while True:
         try:
-            await serve_resource(config, plugin)
+            await serve_resource(config, plugin, backoff)
         except Exception as exc:
             fatal, _ = exc.split(FatalError) if isinstance(exc, ExceptionGroup) else (None, None)
             if fatal is not None or isinstance(exc, FatalError):
@@ -138,27 +146,50 @@ async def supervise_resource(config: Flags, plugin: DevicePlugin) -> None:
             await trio.sleep(delay)
 
 
-async def serve_resource(config: Flags, plugin: DevicePlugin) -> None:
+async def serve_resource(config: Flags, plugin: DevicePlugin, backoff: Backoff) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(watch_health, plugin, config.host_root)
-        nursery.start_soon(serve_kubelet, Path(config.device_plugin_path), plugin)
+        nursery.start_soon(serve_kubelet, Path(config.device_plugin_path), plugin, backoff)
 
 
-async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin) -> None:
+@attrs.frozen
+class Ending:
+    """Why a generation ended; after a fault the next one may have to wait."""
+
+    reason: str
+    fault: bool = False
+
+
+async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin, resource_backoff: Backoff) -> None:
+    """One generation after another. Faults back to back wait, an isolated one does not."""
     names = SocketNames(plugin.spec.socket_prefix)
+    restarts = Backoff(first=0.02, cap=5.0, immediate_first=True)
+    reachability = Reachability()
     cause = "start"
     while True:
         plugin.stats.registered = False
         plugin.stats.waiting_for = f"waiting for {plugin_dir} to be created"
         await wait_for_directory(plugin_dir)
-        cause = await serve_generation(plugin_dir, plugin, next(names), cause)
-        log.log(V1, "Restarting the device plugin server: %s", cause)
+        plugin.stats.generation += 1
+        ending = await serve_generation(
+            plugin_dir, plugin, next(names), cause, reachability, (restarts, resource_backoff)
+        )
+        plugin.stats.last_restart_reason = ending.reason
+        log.log(V1, "Restarting the device plugin server: %s", ending.reason)
+        cause = ending.reason
+        if ending.fault:
+            await trio.sleep(restarts.next_delay())
 
 
 async def serve_generation(
-    plugin_dir: Path, plugin: DevicePlugin, endpoint: str, cause: str
-) -> str:
-    """Serve on a fresh socket and register, until something cancels; return why."""
+    plugin_dir: Path,
+    plugin: DevicePlugin,
+    endpoint: str,
+    cause: str,
+    reachability: Reachability,
+    backoffs: tuple[Backoff, ...],
+) -> Ending:
+    """Serve on a fresh socket and register, until something cancels; say why it ended."""
     request = api.RegisterRequest(
         version=API_VERSION,
         endpoint=endpoint,
@@ -167,30 +198,37 @@ async def serve_generation(
     )
     # serve_kubelet has marked the resource not registered before this generation.
     plugin.stats.waiting_for = "registering with kubelet"
-    stream = KubeletStream(plugin.stats)
+    link = KubeletLink(plugin.stats)
+    service = DevicePluginService(plugin, link)
+    server = grpc_server.Server(service.methods(), service.on_error, link.connection_closed)
+    path = plugin_dir / endpoint
     async with trio.open_nursery() as nursery:
         restart = Restart(nursery.cancel_scope)
-        await nursery.start(watch_plugin_dir, plugin_dir, endpoint, restart)
         try:
             remove_stale_sockets(plugin_dir, plugin.spec.socket_prefix, keep=endpoint)
-            await serve_socket(nursery, plugin, stream, plugin_dir / endpoint)
-        except FileNotFoundError:
-            restart(f"{plugin_dir} disappeared")
-            return restart.reason or ""
-        nursery.start_soon(register_with_kubelet, plugin_dir, request, plugin.stats, cause, stream)
-        nursery.start_soon(reregister_when_stream_ends, stream, restart)
-    return restart.reason or "cancelled"
-
-
-async def serve_socket(
-    nursery: trio.Nursery, plugin: DevicePlugin, stream: KubeletStream, path: Path
-) -> None:
-    try:
-        await nursery.start(
-            grpc_server.serve, plugin, functools.partial(stream.serve, plugin.feed), path
+            listener, own = grpc_server.bind(path)
+        except OSError as exc:
+            return serving_failed(plugin, path, exc)
+        # grpc_server.serve owns the listener from here, and closes it however it ends.
+        await nursery.start(grpc_server.serve, server, listener, path, own)
+        await nursery.start(watch_plugin_dir, plugin_dir, endpoint, own, restart)
+        plugin.stats.serving_problem = None
+        nursery.start_soon(
+            register_with_kubelet, plugin_dir, request, plugin.stats, cause, link, reachability
         )
-    except PermissionError:
-        raise FatalError(
-            f"cannot create {path}: permission denied; run the plugin as root "
-            "with --device-plugin-path mounted read-write"
-        ) from None
+        nursery.start_soon(reregister_when_stream_ends, plugin_dir, link, restart)
+        nursery.start_soon(forget_faults_when_stable, link, *backoffs)
+    reason = restart.reason or "cancelled"
+    return Ending(reason, fault=reason == STREAM_ENDED)
+
+
+def serving_failed(plugin: DevicePlugin, path: Path, error: OSError) -> Ending:
+    """One line per distinct problem, however often it is retried."""
+    if isinstance(error, FileNotFoundError | NotADirectoryError) and not path.parent.is_dir():
+        return Ending(f"{path.parent} disappeared")
+    problem = f"cannot serve on {path}: [Errno {error.errno}] {error.strerror}"
+    if plugin.stats.serving_problem != problem:
+        plugin.stats.serving_problem = problem
+        log.error("%s; retrying", problem)
+    plugin.stats.waiting_for = problem
+    return Ending(problem, fault=True)

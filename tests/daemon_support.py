@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pcc_plugin.sim import Daemon, Registration, SimKubelet, run_blocking
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
@@ -39,5 +41,10 @@ async def serving(
     return accepted(kubelet)[-1].endpoint
 
 
-async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
+# Kubelet went away leaving kubelet.sock behind: the daemon waits for it, or (if it saw the
+# socket replaced first) retries Register against it; either way quietly (at --v=1).
+KUBELET_GONE = re.compile("takes no connections|Kubelet is not reachable yet")
+
+
+async def log_line(daemon: Daemon, text: str | re.Pattern[str], count: int = 1) -> str:
     return await run_blocking(daemon.wait_for_log, text, WAIT, count=count)

@@ -76,7 +76,7 @@ async def test_allocate_one_and_several_container_requests(
         (b"\x0a\x00", "container request 0 names no device IDs"),
         (b"\x0a\x07\x0a\x05gpu-0", "unknown device IDs 'gpu-0'"),
         (b"\x0a\x05\x0a\x03\xff\xfe\xfd", "cannot decode AllocateRequest"),
-        (b"\x08\x01", "cannot decode AllocateRequest: field container_requests holds int"),
+        (b"\x08\x01", "cannot decode AllocateRequest: field container_requests is sent as varint"),
         (b"\x0a", "cannot decode AllocateRequest"),
     ],
 )

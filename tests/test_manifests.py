@@ -884,7 +884,7 @@ def test_docs_quote_the_plugins_own_words() -> None:
     source = "\n".join(path.read_text() for path in sorted((ROOT / "pcc_plugin").glob("*.py")))
     text = docs_text()
     for words in (
-        "kubelet's ListAndWatch stream ended; registering again in",
+        "kubelet's ListAndWatch stream ended; registering again",
         "another instance serves it",
         "registered, but kubelet's ListAndWatch stream is not open",
         "every device is Unhealthy: ",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,14 +59,19 @@ class Daemon:
         with self._changed:
             return "".join(self._lines)
 
-    def wait_for_log(self, substring: str, timeout: float = 10.0, *, count: int = 1) -> str:
-        """Block until ``count`` lines contain ``substring``; return the ``count``-th such line.
+    def wait_for_log(
+        self, substring: str | re.Pattern[str], timeout: float = 10.0, *, count: int = 1
+    ) -> str:
+        """Block until ``count`` lines contain ``substring`` (or match the pattern anywhere);
+        return the ``count``-th such line.
 
         Raises RuntimeError at once if the daemon's output ends first, TimeoutError after
         ``timeout`` seconds; both quote the end of the log.
         """
 
         def matching() -> list[str]:
+            if isinstance(substring, re.Pattern):
+                return [line for line in self._lines if substring.search(line)]
             return [line for line in self._lines if substring in line]
 
         with self._changed:
