@@ -67,7 +67,7 @@ BACKLOG = 64
 # accept() failed for lack of descriptors or memory: what frees them takes a moment.
 ACCEPT_RETRY = 0.1
 TEARDOWN_GRACE = 1.0
-_RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+RESOURCE_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _GRPC_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
@@ -181,8 +181,9 @@ class Connection(_grpclib.Handler):
 
     _numbers = itertools.count(1)
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, sock: socket.socket) -> None:
         self.server = server
+        self.sock = sock
         self.number = next(self._numbers)
         self.accepted_at = time.monotonic()
         self.requests = 0
@@ -243,6 +244,8 @@ class Connection(_grpclib.Handler):
         """Close the connection: its requests are cancelled, its streams end."""
         if self.protocol is not None:
             self.protocol.connection.close()
+        else:
+            self.sock.close()  # never handed to grpclib, or its setup failed
         self.close()
 
     async def wait_finished(self) -> None:
@@ -284,7 +287,9 @@ class Server:
             while True:
                 sock = await self._accept(listener)
                 if sock is not None:
-                    nursery.start_soon(self.serve_connection, sock)
+                    connection = Connection(self, sock)
+                    self.connections.append(connection)
+                    await nursery.start(self.serve_connection, connection)
 
     async def _accept(self, listener: socket.socket) -> socket.socket | None:
         await trio.lowlevel.wait_readable(listener)
@@ -293,7 +298,7 @@ class Server:
         except BlockingIOError:
             return None
         except OSError as exc:
-            if exc.errno in _RESOURCE_ERRORS:
+            if exc.errno in RESOURCE_ERRORS:
                 self._accept_failed.log(
                     "Cannot accept connections on %s: %s; retrying",
                     listener.getsockname(),
@@ -321,14 +326,25 @@ class Server:
         sock.close()
         return None
 
-    async def serve_connection(self, sock: socket.socket) -> None:
-        connection = Connection(self)
-        self.connections.append(connection)
+    async def serve_connection(
+        self,
+        connection: Connection,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Set the connection up, then serve it until it ends; never raises.
+
+        Started once set up: the accept loop waits for that, so a flood is
+        accepted no faster than connections are set up.
+        """
         try:
-            sock.setblocking(False)
-            connection.protocol = await _grpclib.accept(
-                sock, connection, WINDOW, MAX_STREAMS_PER_CONNECTION
-            )
+            try:
+                connection.sock.setblocking(False)
+                connection.protocol = await _grpclib.accept(
+                    connection.sock, connection, WINDOW, MAX_STREAMS_PER_CONNECTION
+                )
+            finally:
+                task_status.started()
             await self._watch(connection)
         except OSError as exc:
             log.log(V1, "%s failed: %s", connection, exc)
@@ -341,7 +357,9 @@ class Server:
             with trio.CancelScope(shield=True), trio.move_on_after(TEARDOWN_GRACE):
                 connection.shut()
                 await connection.wait_finished()
-            sock.close()
+            # grpclib's protocol and this connection refer to each other: without this,
+            # a flood's connections would wait for a full garbage collection to be freed.
+            connection.protocol = None
 
     async def _watch(self, connection: Connection) -> None:
         """Until the connection closes, or must be closed for silence or idleness."""

@@ -8,11 +8,13 @@ signal N forces the exit.
 from __future__ import annotations
 
 import logging
+import resource
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from pcc_plugin import flags, klog
+from pcc_plugin.klog import V1
 from pcc_plugin.resource import health_problem
 
 log = logging.getLogger("pcc_plugin")
@@ -46,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if problem:
             log.error("%s", problem)
             sys.exit(1)
+    raise_open_file_limit()
     # Imported only now: `--help` and usage errors stay fast.
     import trio
 
@@ -59,6 +62,22 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             log.error("%s", error)
         sys.exit(1)
     sys.exit(0)
+
+
+def raise_open_file_limit() -> None:
+    """Raise the soft limit on open files to the hard one, as Go programs do at start.
+
+    The soft limit is often 1,024; connections beyond what the plugin keeps
+    are closed at once, but a flood should meet the kernel's limit, not ours.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as exc:
+            log.log(V1, "Open files: soft limit %d, hard %d; cannot raise it: %s", soft, hard, exc)
+            return
+    log.log(V1, "Open files: soft limit %d (was %d), hard limit %d", hard, soft, hard)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -232,7 +232,7 @@ async def reregister_when_stream_ends(
         link.stats.registered = False
         link.stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
         await trio.sleep_forever()
-    log.warning("%s; registering again", STREAM_ENDED)
+    log.warning("kubelet's ListAndWatch stream ended; registering again")
     restart(STREAM_ENDED)
 
 

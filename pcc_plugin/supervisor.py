@@ -121,7 +121,9 @@ async def serve(config: Flags, plugins: list[DevicePlugin]) -> None:
             # Imported only when wanted: it costs memory at every start.
             from pcc_plugin import http_server
 
-            await nursery.start(http_server.serve, config.metrics_bind_address, plugins)
+            bound = await nursery.start(http_server.serve, config.metrics_bind_address, plugins)
+            for address, port in bound:
+                log.info("Serving /metrics, /livez and /readyz on %s port %d", address, port)
         for plugin in plugins:
             nursery.start_soon(supervise_resource, config, plugin)
 

@@ -12,13 +12,14 @@ import functools
 import os
 import shutil
 import subprocess
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
+
+import pcc_plugin
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
@@ -105,9 +106,7 @@ def custom_resource_schema(obj: Obj) -> Obj | None:
 
 
 def project_version() -> str:
-    with (ROOT / "pyproject.toml").open("rb") as file:
-        version: str = tomllib.load(file)["project"]["version"]
-    return version
+    return pcc_plugin.__version__
 
 
 def kustomizations() -> list[str]:

@@ -57,28 +57,43 @@ def call(
     """One request with `body` as its raw DATA; the server's answer."""
     connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
+        # Blocking: a unix socket's connect waits for room in a full backlog (a timeout would
+        # make it fail at once with EAGAIN).
         sock.connect(str(socket_path))
+        sock.settimeout(timeout)
         connection.initiate_connection()
         stream_id = connection.get_next_available_stream_id()
         connection.send_headers(stream_id, _headers(path, headers or []))
         sock.sendall(connection.data_to_send())
-        # Within the peer's flow-control window: what does not fit is simply not sent.
-        sent = 0
-        while sent < len(body):
-            window = min(
-                connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size
-            )
-            if window <= 0:
-                break
+        # As fast as the server's flow control allows, until it answers (it may refuse early).
+        return _send_and_answer(sock, connection, stream_id, body, end_stream)
+
+
+def _send_and_answer(
+    sock: socket.socket,
+    connection: h2.connection.H2Connection,
+    stream_id: int,
+    body: bytes,
+    end_stream: bool,
+) -> Outcome:
+    sent = 0
+    while sent < len(body):
+        window = min(
+            connection.local_flow_control_window(stream_id), connection.max_outbound_frame_size
+        )
+        if window > 0:
             chunk = body[sent : sent + window]
             connection.send_data(stream_id, chunk)
             sent += len(chunk)
             sock.sendall(connection.data_to_send())
-        if end_stream and sent == len(body):
-            connection.end_stream(stream_id)
-            sock.sendall(connection.data_to_send())
-        return _outcome(sock, connection, stream_id)
+            continue
+        answer = _read_events(sock, connection, stream_id, {})
+        if answer is not None:
+            return answer
+    if end_stream:
+        connection.end_stream(stream_id)
+        sock.sendall(connection.data_to_send())
+    return _outcome(sock, connection, stream_id)
 
 
 def _outcome(
@@ -86,25 +101,41 @@ def _outcome(
 ) -> Outcome:
     fields: dict[str, str] = {}
     while True:
+        answer = _read_events(sock, connection, stream_id, fields)
+        if answer is not None:
+            return answer
+
+
+def _read_events(
+    sock: socket.socket,
+    connection: h2.connection.H2Connection,
+    stream_id: int,
+    fields: dict[str, str],
+) -> Outcome | None:
+    """One read's events: the call's outcome if they end it, else None (a window update...)."""
+    try:
         data = sock.recv(65536)
-        if not data:
-            return Outcome(None, "connection closed", reset=True)
-        try:
-            events = connection.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            return Outcome(None, f"protocol error: {exc}", reset=True)
-        sock.sendall(connection.data_to_send())
-        for event in events:
-            if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                fields.update((key.decode(), value.decode()) for key, value in event.headers)
-                if "grpc-status" in fields:
-                    return Outcome(int(fields["grpc-status"]), fields.get("grpc-message", ""))
-            if isinstance(event, h2.events.DataReceived):
-                connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            if isinstance(event, h2.events.StreamReset) and event.stream_id == stream_id:
-                return Outcome(None, f"stream reset, error code {event.error_code}", reset=True)
-            if isinstance(event, h2.events.ConnectionTerminated):
-                return Outcome(None, "connection terminated (GOAWAY)", reset=True)
+    except ConnectionResetError:
+        return Outcome(None, "connection reset", reset=True)
+    if not data:
+        return Outcome(None, "connection closed", reset=True)
+    try:
+        events = connection.receive_data(data)
+    except h2.exceptions.ProtocolError as exc:
+        return Outcome(None, f"protocol error: {exc}", reset=True)
+    sock.sendall(connection.data_to_send())
+    for event in events:
+        if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+            fields.update((key.decode(), value.decode()) for key, value in event.headers)
+            if "grpc-status" in fields:
+                return Outcome(int(fields["grpc-status"]), fields.get("grpc-message", ""))
+        if isinstance(event, h2.events.DataReceived):
+            connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        if isinstance(event, h2.events.StreamReset) and event.stream_id == stream_id:
+            return Outcome(None, f"stream reset, error code {event.error_code}", reset=True)
+        if isinstance(event, h2.events.ConnectionTerminated):
+            return Outcome(None, "connection terminated (GOAWAY)", reset=True)
+    return None
 
 
 def http_get(host: str, port: int, request: bytes, timeout: float = 10.0) -> bytes:

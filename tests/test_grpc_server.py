@@ -191,3 +191,28 @@ async def test_at_the_connection_limit_the_oldest_silent_one_makes_room(
                 sock.close()
             for each in busy:
                 each.close()
+
+
+async def test_an_error_in_an_asyncio_callback_is_logged_and_contained(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """trio-asyncio's own handler would raise it into the loop, ending the daemon."""
+
+    def broken() -> None:
+        raise RuntimeError("a transport's bug")
+
+    with trio.fail_after(10):
+        async with bridge.asyncio_loop():
+
+            async def schedule() -> None:
+                loop = asyncio.get_running_loop()
+                loop.call_soon(broken)
+                # Callbacks run in order: once this one has, so has the broken one.
+                after = loop.create_future()
+                loop.call_soon(after.set_result, None)
+                await after
+
+            await bridge.call_asyncio(schedule)
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "contained: the daemon goes on" in record.getMessage()
+    assert record.exc_info is not None

@@ -881,7 +881,7 @@ def test_docs_state_the_probe_settings() -> None:
 
 def test_docs_quote_the_plugins_own_words() -> None:
     """Log lines and /readyz answers that docs/deploy.md quotes come from the plugin's source."""
-    source = "\n".join(path.read_text() for path in sorted((ROOT / "pcc_plugin").glob("*.py")))
+    source = "\n".join(path.read_text() for path in sorted((ROOT / "pcc_plugin").glob("**/*.py")))
     text = docs_text()
     for words in (
         "kubelet's ListAndWatch stream ended; registering again",

@@ -46,10 +46,17 @@ class Daemon:
 
     @classmethod
     def spawn_plugin(
-        cls, args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None
+        cls,
+        args: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        wrapper: Sequence[str] = (),
     ) -> Daemon:
-        """Run ``python -m pcc_plugin`` with ``args`` under this interpreter."""
-        return cls([sys.executable, "-m", "pcc_plugin", *args], log_path, env)
+        """Run ``python -m pcc_plugin`` with ``args`` under this interpreter.
+
+        ``wrapper`` comes first on the command line (``prlimit --nofile=64``, ``unshare -m``).
+        """
+        return cls([*wrapper, sys.executable, "-m", "pcc_plugin", *args], log_path, env)
 
     @property
     def pid(self) -> int:
@@ -133,6 +140,9 @@ class Daemon:
 
 
 class StartDaemon(Protocol):
-    """The ``start_daemon`` fixture: run ``python -m pcc_plugin *args``, extra ``env`` merged in."""
+    """The ``start_daemon`` fixture: run ``[*wrapper] python -m pcc_plugin *args``, extra
+    ``env`` merged in."""
 
-    def __call__(self, *args: str, env: Mapping[str, str] | None = None) -> Daemon: ...
+    def __call__(
+        self, *args: str, env: Mapping[str, str] | None = None, wrapper: Sequence[str] = ()
+    ) -> Daemon: ...
