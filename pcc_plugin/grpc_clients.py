@@ -116,3 +116,36 @@ async def _first_listing(
             # One list is all we read: end the stream now, not when the channel closes.
             await stream.cancel()
     return listing
+
+
+async def follow_list_and_watch(socket_path: Path) -> tuple[bool, str]:
+    """Hold a ListAndWatch stream to the plugin at `socket_path` until it ends.
+
+    Returns whether a device list came (the plugin was alive), and how it ended. A
+    held stream ends the moment the serving process does, however it dies.
+    """
+    channel = grpclib.client.Channel(path=str(socket_path))
+    received: list[bool] = []
+    try:
+        await call_asyncio(_read_until_the_end, channel, received)
+    except grpclib.exceptions.GRPCError as exc:
+        return bool(received), f"its stream ended with {exc.status.name}"
+    except _UNREACHABLE as exc:
+        return bool(received), f"its connection ended ({exc})"
+    except Exception as exc:
+        # Whatever the other end did (it is another process, maybe a dying one), the
+        # stream is over; that is all the caller needs to know.
+        return bool(received), f"its stream failed ({type(exc).__name__}: {exc})"
+    finally:
+        channel.close()
+    return bool(received), "its stream ended"
+
+
+async def _read_until_the_end(channel: grpclib.client.Channel, received: list[bool]) -> None:
+    method = grpclib.client.UnaryStreamMethod(
+        channel, "/v1beta1.DevicePlugin/ListAndWatch", api.Empty, api.ListAndWatchResponse
+    )
+    async with method.open() as stream:
+        await stream.send_message(api.Empty(), end=True)
+        while await stream.recv_message() is not None:
+            received[:] = [True]

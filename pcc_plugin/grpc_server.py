@@ -33,6 +33,7 @@ import errno
 import itertools
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -64,6 +65,8 @@ LARGE_MESSAGE_BUDGET = 8 * 1024 * 1024
 RECEIVE_TIMEOUT = 10.0
 UNARY_TIMEOUT = 30.0
 BACKLOG = 64
+# A socket bound but not yet renamed into place: `.<8 hex>.new.sock`.
+STAGED_SUFFIX = ".new.sock"
 # accept() failed for lack of descriptors or memory: what frees them takes a moment.
 ACCEPT_RETRY = 0.1
 TEARDOWN_GRACE = 1.0
@@ -465,17 +468,26 @@ def _client_timeout(fields: Mapping[str, str]) -> float | None:
 def bind(path: Path) -> tuple[socket.socket, Identity]:
     """A listening unix socket at `path`, and the identity of its file.
 
-    Raises OSError (PermissionError, FileNotFoundError, ...) with the path;
-    nothing is left open on failure.
+    Bound under a temporary name and renamed into place once listening, so
+    that whoever sees it appear (another instance, kubelet) can connect at
+    once. Raises OSError (PermissionError, FileNotFoundError, ...); nothing is
+    left open or behind on failure.
     """
+    staged = path.with_name(f".{secrets.token_hex(4)}{STAGED_SUFFIX}")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         listener.setblocking(False)
-        listener.bind(os.fspath(path))
+        listener.bind(os.fspath(staged))
+        try:
+            listener.listen(BACKLOG)
+            os.rename(staged, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(staged)
+            raise
         own = identity(path)
         if own is None:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
-        listener.listen(BACKLOG)
     except BaseException:
         listener.close()
         raise

@@ -24,6 +24,7 @@ import h11
 import trio
 
 from pcc_plugin import metrics
+from pcc_plugin.configuration import Configuration
 from pcc_plugin.grpc_server import ACCEPT_RETRY, RESOURCE_ERRORS
 from pcc_plugin.klog import V1, BurstLog
 from pcc_plugin.plugin import DevicePlugin
@@ -168,6 +169,7 @@ class HttpServer:
 async def serve(
     bind_address: str,
     plugins: Sequence[DevicePlugin],
+    configuration: Configuration,
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -176,7 +178,7 @@ async def serve(
     A bind failure is one warning, and the plugin goes on without metrics or probes.
     """
     host, _, port = bind_address.rpartition(":")
-    registry = metrics.registry(plugins)
+    registry = metrics.registry(plugins, configuration)
     try:
         listeners = await trio.open_tcp_listeners(int(port), host=host.strip("[]") or None)
     except OSError as exc:

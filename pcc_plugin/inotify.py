@@ -61,6 +61,13 @@ async def next_events(inotify: Inotify) -> list[Event]:
             events.append(event)
 
 
+def _announce_wait(path: Path) -> None:
+    if path.exists():
+        log.warning("Waiting for %s to be a directory: it is a file now", path)
+    else:
+        log.info("Waiting for %s to be created (kubelet creates it at start)", path)
+
+
 async def wait_for_directory(path: Path) -> None:
     """Return once `path` is a directory, watching its nearest existing ancestor meanwhile."""
     announced = False
@@ -70,7 +77,7 @@ async def wait_for_directory(path: Path) -> None:
             if ancestor == path:
                 return
             if not announced:
-                log.info("Waiting for %s to be created (kubelet creates it at start)", path)
+                _announce_wait(path)
                 announced = True
             try:
                 inotify.add_watch(ancestor, APPEARED | DIR_GONE | Mask.ONLYDIR)

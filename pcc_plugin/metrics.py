@@ -13,20 +13,41 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from pcc_plugin import __version__
+from pcc_plugin.configuration import Configuration
 from pcc_plugin.plugin import DevicePlugin
 
 
 class PluginCollector(Collector):
     """Reads the daemon's plain counters at scrape time."""
 
-    def __init__(self, plugins: Sequence[DevicePlugin]) -> None:
+    def __init__(self, plugins: Sequence[DevicePlugin], configuration: Configuration) -> None:
         self._plugins = plugins
+        self._configuration = configuration
         self._version = __version__
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
         info = InfoMetricFamily("pcc_device_plugin_build", "Build information.")
         info.add_metric([], {"version": self._version})
         yield info
+        configuration = self._configuration
+        config_info = InfoMetricFamily(
+            "pcc_device_plugin_config",
+            "The running configuration: its file (or 'flags') and the hash of its bytes.",
+        )
+        config_info.add_metric(
+            [], {"source": str(configuration.path or "flags"), "hash": configuration.digest}
+        )
+        yield config_info
+        yield GaugeMetricFamily(
+            "pcc_device_plugin_config_generation",
+            "Configurations applied: 1 at start, one more per successful reload.",
+            value=configuration.generation,
+        )
+        yield GaugeMetricFamily(
+            "pcc_device_plugin_config_last_reload_successful",
+            "0 when the last reload was refused (the file was invalid), else 1.",
+            value=0 if configuration.last_reload_failed else 1,
+        )
         registrations = CounterMetricFamily(
             "pcc_device_plugin_registrations",
             "Successful registrations with kubelet, by what caused them.",
@@ -73,10 +94,10 @@ class PluginCollector(Collector):
         yield from (registrations, restarts, allocations, devices, streams, handler_errors, ready)
 
 
-def registry(plugins: Sequence[DevicePlugin]) -> CollectorRegistry:
+def registry(plugins: Sequence[DevicePlugin], configuration: Configuration) -> CollectorRegistry:
     collected = CollectorRegistry(auto_describe=True)
     collected.register(ProcessCollector(registry=None))
-    collected.register(PluginCollector(plugins))
+    collected.register(PluginCollector(plugins, configuration))
     return collected
 
 

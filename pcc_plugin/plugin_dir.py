@@ -36,11 +36,11 @@ class SocketNames:
     """
 
     def __init__(self, prefix: str) -> None:
-        self._stem = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.stem = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
         self._counter = itertools.count()
 
     def __next__(self) -> str:
-        return f"{self._stem}-{next(self._counter)}.sock"
+        return f"{self.stem}-{next(self._counter)}.sock"
 
 
 def is_own_socket(prefix: str, name: str) -> bool:

@@ -13,14 +13,17 @@
                         └── generation nursery   cancelling it is how the plugin restarts
                             ├── watch_plugin_dir       kubelet.sock created, own socket gone
                             ├── grpc_server.serve      DevicePlugin on a fresh socket name
+                            ├── follow_newer_instances an older kubelet's rollout
                             ├── register_with_kubelet  once serving; retries with backoff
-                            └── reregister_when_stream_ends
+                            ├── reregister_when_stream_ends
+                            └── forget_faults_when_stable
 
 A generation ends only by cancellation, through `Restart`, which records why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -31,6 +34,7 @@ import trio
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin._proto import v1beta1 as api
+from pcc_plugin.configuration import Configuration, file_digest, watch_config_file
 from pcc_plugin.errors import FatalError
 from pcc_plugin.flags import Flags
 from pcc_plugin.health import watch_health
@@ -49,6 +53,7 @@ from pcc_plugin.registration import (
     reregister_when_stream_ends,
 )
 from pcc_plugin.resource import ResourceSpec
+from pcc_plugin.rollout import follow_newer_instances
 from pcc_plugin.service import DevicePluginService
 from pcc_plugin.stats import ResourceStats
 
@@ -69,63 +74,201 @@ class Restart:
 
 
 async def run(config: Flags, specs: list[ResourceSpec]) -> None:
-    plugins = make_plugins(config, specs)
+    configuration = Configuration.from_flags(specs, config.config)
+    reloads, reload_requests = trio.open_memory_channel[str](1)
+    resources = Resources(config, configuration)
     async with bridge.asyncio_loop(), trio.open_nursery() as root:
         stop = trio.CancelScope()
-        await root.start(handle_signals, stop)
+        await root.start(handle_signals, stop, reloads, resources)
         with stop:
-            await serve(config, plugins)
+            await serve(config, resources, reloads, reload_requests)
         # Stopped: the signal handler has nothing left to guard.
         root.cancel_scope.cancel()
     log.info("Stopped")
 
 
-def make_plugins(config: Flags, specs: list[ResourceSpec]) -> list[DevicePlugin]:
-    cdi_spec_dir = Path(config.cdi_spec_dir) if config.cdi else None
-    if cdi_spec_dir is not None:
-        from pcc_plugin import cdi
-
-        cdi.remove_departed_specs(cdi_spec_dir, {spec.name for spec in specs})
-    for spec in specs:
-        log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
-    return [
-        DevicePlugin(
-            spec,
-            config.host_root,
-            ResourceStats(),
-            pre_start_check=config.pre_start_check,
-            cdi_spec_dir=cdi_spec_dir,
-        )
-        for spec in specs
-    ]
-
-
 async def handle_signals(
-    stop: trio.CancelScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    stop: trio.CancelScope,
+    reloads: trio.MemorySendChannel[str],
+    resources: Resources,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The first SIGTERM or SIGINT stops the daemon; a second one during shutdown exits now."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """SIGTERM, SIGINT and SIGQUIT stop the daemon (a second one during shutdown exits now);
+    SIGHUP reloads the configuration; SIGUSR1 writes the task tree and the state to the log."""
+    stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+    with trio.open_signal_receiver(*stopping, signal.SIGHUP, signal.SIGUSR1) as signals:
         task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
-            if stop.cancel_called:
+            if signum == signal.SIGHUP:
+                log.info("Received SIGHUP, reloading the configuration")
+                with contextlib.suppress(trio.WouldBlock):
+                    reloads.send_nowait("SIGHUP")
+            elif signum == signal.SIGUSR1:
+                for line in resources.describe():
+                    log.info("%s", line)
+            elif stop.cancel_called:
                 log.warning("Received %s again, exiting now", name)
                 os._exit(128 + signum)
-            log.info("Received %s, shutting down", name)
-            stop.cancel()
+            else:
+                log.info("Received %s, shutting down", name)
+                stop.cancel()
 
 
-async def serve(config: Flags, plugins: list[DevicePlugin]) -> None:
+async def serve(
+    config: Flags,
+    resources: Resources,
+    reloads: trio.MemorySendChannel[str],
+    reload_requests: trio.MemoryReceiveChannel[str],
+) -> None:
     async with trio.open_nursery() as nursery:
         if config.metrics_bind_address:
             # Imported only when wanted: it costs memory at every start.
             from pcc_plugin import http_server
 
-            bound = await nursery.start(http_server.serve, config.metrics_bind_address, plugins)
+            bound = await nursery.start(
+                http_server.serve, config.metrics_bind_address, resources.plugins,
+                resources.configuration,
+            )  # fmt: skip
             for address, port in bound:
                 log.info("Serving /metrics, /livez and /readyz on %s port %d", address, port)
-        for plugin in plugins:
-            nursery.start_soon(supervise_resource, config, plugin)
+        await nursery.start(resources.serve, reload_requests)
+        if config.config:
+            await nursery.start(watch_config_file, Path(config.config), reloads)
+
+
+class Resources:
+    """The resources being served, each in a cancel scope of its own, changed by reloads.
+
+    `plugins` is the live list /metrics and /readyz read.
+    """
+
+    def __init__(self, config: Flags, configuration: Configuration) -> None:
+        self.config = config
+        self.configuration = configuration
+        self.plugins: list[DevicePlugin] = []
+        self._running: dict[str, tuple[DevicePlugin, trio.CancelScope]] = {}
+        self._cdi_spec_dir = Path(config.cdi_spec_dir) if config.cdi else None
+
+    async def serve(
+        self,
+        reload_requests: trio.MemoryReceiveChannel[str],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve every resource; apply a new configuration on each reload request."""
+        async with trio.open_nursery() as nursery:
+            self._remove_departed_cdi_specs()
+            for spec in self.configuration.specs:
+                self._start(nursery, spec)
+            task_status.started()
+            async for reason in reload_requests:
+                self._reload(nursery, reason)
+
+    def _start(self, nursery: trio.Nursery, spec: ResourceSpec) -> None:
+        log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
+        plugin = DevicePlugin(
+            spec,
+            self.config.host_root,
+            ResourceStats(),
+            pre_start_check=self.config.pre_start_check,
+            cdi_spec_dir=self._cdi_spec_dir,
+        )
+        scope = trio.CancelScope()
+        self._running[spec.name] = (plugin, scope)
+        self.plugins.append(plugin)
+        nursery.start_soon(self._run, plugin, scope, name=f"supervise_resource {spec.name}")
+
+    async def _run(self, plugin: DevicePlugin, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                await supervise_resource(self.config, plugin)
+        finally:
+            self.plugins.remove(plugin)
+
+    def _reload(self, nursery: trio.Nursery, reason: str) -> None:
+        configuration = self.configuration
+        if configuration.path is None:
+            log.info("Nothing to reload (%s): the resources come from flags, not --config",
+                     reason)  # fmt: skip
+            return
+        digest = file_digest(configuration.path)
+        if digest == configuration.digest:
+            configuration.last_reload_failed = False
+            log.log(V1, "Configuration unchanged (%s)", reason)
+            return
+        from pcc_plugin import profiles
+
+        try:
+            specs = profiles.load(str(configuration.path))
+        except profiles.ProfileError as exc:
+            configuration.last_reload_failed = True
+            log.error("Configuration not reloaded, the running one stays: %s", exc)
+            return
+        old = {spec.name: spec for spec in configuration.specs}
+        new = {spec.name: spec for spec in specs}
+        for name, spec in old.items():
+            if new.get(name) != spec:
+                log.info("Stopping %s: %s", name, "changed" if name in new else "removed")
+                self._running.pop(name)[1].cancel()
+        for name, spec in new.items():
+            if old.get(name) != spec:
+                self._start(nursery, spec)
+        configuration.specs = specs
+        configuration.digest = digest
+        configuration.generation += 1
+        configuration.last_reload_failed = False
+        self._remove_departed_cdi_specs()
+        unchanged = sorted(name for name in new if old.get(name) == new[name])
+        log.info("Configuration %d applied from %s (%s); unchanged, still serving: %s",
+                 configuration.generation, configuration.path, reason,
+                 ", ".join(unchanged) or "none")  # fmt: skip
+
+    def _remove_departed_cdi_specs(self) -> None:
+        if self._cdi_spec_dir is not None:
+            from pcc_plugin import cdi
+
+            names = {spec.name for spec in self.configuration.specs}
+            cdi.remove_departed_specs(self._cdi_spec_dir, names)
+
+    def describe(self) -> list[str]:
+        """The task tree and each resource's state, as SIGUSR1 writes them to the log."""
+        configuration = self.configuration
+        lines = [
+            f"Configuration {configuration.generation} from "
+            f"{configuration.path or 'flags'} (hash {configuration.digest}"
+            f"{', last reload failed' if configuration.last_reload_failed else ''})"
+        ]
+        for plugin in self.plugins:
+            stats = plugin.stats
+            lines.append(
+                f"Resource {plugin.spec.name}: registered={stats.registered} "
+                f"kubelet_stream_open={stats.kubelet_stream_open} "
+                f"generation={stats.generation} restart_delay={stats.restart_delay:.3f}s "
+                f"last_restart_reason={stats.last_restart_reason or '-'} "
+                f"not_ready={stats.not_ready_reason() or '-'}"
+            )
+            lines.append(f"  counters {plugin.spec.name}: {stats.counters()}")
+        lines.append("Task tree:")
+        lines.extend(task_tree())
+        return lines
+
+
+def task_tree() -> list[str]:
+    """Every trio task, indented under the task whose nursery runs it."""
+    lines: list[str] = []
+
+    def walk(task: trio.lowlevel.Task, depth: int) -> None:
+        lines.append(f"{'  ' * depth}{task.name}")
+        for nursery in task.child_nurseries:
+            for child in sorted(nursery.child_tasks, key=lambda each: each.name):
+                walk(child, depth + 1)
+
+    root = trio.lowlevel.current_root_task()
+    if root is not None:
+        walk(root, 1)
+    return lines
 
 
 async def supervise_resource(config: Flags, plugin: DevicePlugin) -> None:
@@ -174,19 +317,22 @@ async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin, resource_backoff
         await wait_for_directory(plugin_dir)
         plugin.stats.generation += 1
         ending = await serve_generation(
-            plugin_dir, plugin, next(names), cause, reachability, (restarts, resource_backoff)
-        )
+            plugin_dir, plugin, next(names), names.stem, cause, reachability,
+            (restarts, resource_backoff),
+        )  # fmt: skip
         plugin.stats.last_restart_reason = ending.reason
         log.log(V1, "Restarting the device plugin server: %s", ending.reason)
         cause = ending.reason
         if ending.fault:
-            await trio.sleep(restarts.next_delay())
+            plugin.stats.restart_delay = restarts.next_delay()
+            await trio.sleep(plugin.stats.restart_delay)
 
 
 async def serve_generation(
     plugin_dir: Path,
     plugin: DevicePlugin,
     endpoint: str,
+    stem: str,
     cause: str,
     reachability: Reachability,
     backoffs: tuple[Backoff, ...],
@@ -214,7 +360,12 @@ async def serve_generation(
         # grpc_server.serve owns the listener from here, and closes it however it ends.
         await nursery.start(grpc_server.serve, server, listener, path, own)
         await nursery.start(watch_plugin_dir, plugin_dir, endpoint, own, restart)
-        plugin.stats.serving_problem = None
+        if plugin.stats.serving_problem is not None:
+            log.info("Serving in %s again, after: %s", plugin_dir, plugin.stats.serving_problem)
+            plugin.stats.serving_problem = None
+        await nursery.start(
+            follow_newer_instances, plugin_dir, plugin.spec.socket_prefix, stem, link, restart
+        )
         nursery.start_soon(
             register_with_kubelet, plugin_dir, request, plugin.stats, cause, link, reachability
         )
@@ -228,7 +379,9 @@ def serving_failed(plugin: DevicePlugin, path: Path, error: OSError) -> Ending:
     """One line per distinct problem, however often it is retried."""
     if isinstance(error, FileNotFoundError | NotADirectoryError) and not path.parent.is_dir():
         return Ending(f"{path.parent} disappeared")
-    problem = f"cannot serve on {path}: [Errno {error.errno}] {error.strerror}"
+    # The directory, not the socket's name: each retry has a fresh name, and the
+    # same problem is said once.
+    problem = f"cannot serve in {path.parent}: [Errno {error.errno}] {error.strerror}"
     if plugin.stats.serving_problem != problem:
         plugin.stats.serving_problem = problem
         log.error("%s; retrying", problem)

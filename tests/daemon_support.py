@@ -21,14 +21,15 @@ async def serving(
     devices: dict[str, str] = HEALTHY_16,
     resource: str = RESOURCE,
 ) -> str:
-    """Wait for `registrations` accepted ones and the full list on a live stream; the endpoint.
+    """Wait for `registrations` accepted ones of `resource` and its full list on a live stream;
+    return the endpoint.
 
     Kubelet marks every device Unhealthy when its stream ends or it stops, so a Healthy list
     here is a list sent on the newest stream.
     """
 
     def ready() -> bool:
-        registered = accepted(kubelet)
+        registered = [r for r in accepted(kubelet) if r.resource_name == resource]
         return (
             len(registered) >= registrations
             # A legacy kubelet keeps using the previous plugin until it has dialled the new one.
@@ -38,7 +39,7 @@ async def serving(
         )
 
     await run_blocking(kubelet.wait_for, ready, WAIT)
-    return accepted(kubelet)[-1].endpoint
+    return [r for r in accepted(kubelet) if r.resource_name == resource][-1].endpoint
 
 
 # Kubelet went away leaving kubelet.sock behind: the daemon waits for it, or (if it saw the

@@ -140,6 +140,8 @@ class _PluginClient:
     list_and_watch: Any = None
     thread: threading.Thread | None = None
     streaming: bool = False
+    # The latest device list this client sent, for promotion (current kubelets).
+    devices: dict[str, str] = attrs.Factory(dict)
     connected: bool = True
     # Set when the simulated kubelet itself goes down: the stream's end is then not "unexpected".
     kubelet_stopping: bool = False
@@ -168,9 +170,12 @@ class SimKubelet:
     """Serves ``<plugin_dir>/kubelet.sock`` and talks to the plugins that register there.
 
     ``legacy``: answer Register first and dial the plugin afterwards, like older kubelets.
-    ``key_by``: ``"endpoint"`` (recent kubelets) lets an older registration's stream of a resource
-    end without touching the newer one; ``"resource"`` (older kubelets) disconnects the newest
-    client of a resource whenever an older stream of that resource ends.
+    ``key_by``: ``"endpoint"`` (kubelet 1.35 and later) keeps a client per socket: an older
+    registration's stream of a resource may end without touching the newer one, and when the
+    newest one's ends, a remaining endpoint takes over and nothing is marked unhealthy.
+    ``"resource"`` (older kubelets) keeps one client per resource: it disconnects the newest
+    client of a resource whenever an older stream of that resource ends, and when the newest
+    one's ends, marks the resource unhealthy, leaving the older streams open and unheard.
     ``dial_timeout`` shortens kubelet's 10 s blocking dial for tests of failed dials.
 
     Every observation method is thread-safe; :meth:`wait_for` blocks until a predicate over them
@@ -638,11 +643,12 @@ class SimKubelet:
                 self._record(
                     f"ListAndWatch stream opened for {client.resource} ({client.endpoint})"
                 )
+            client.devices = {device.ID: device.health for device in response.devices}
             state = self._resources[client.resource]
             if state.active is not client:
                 self._record(f"ignored a device list from a replaced plugin of {client.resource}")
                 return
-            state.devices = {device.ID: device.health for device in response.devices}
+            state.devices = dict(client.devices)
             state.messages += 1
             healthy = sum(health == HEALTHY for health in state.devices.values())
             self._record(
@@ -664,7 +670,21 @@ class SimKubelet:
             )
             state = self._resources[client.resource]
             newest = state.active
-            if newest is client or self.key_by == "resource":
+            remaining = [
+                other
+                for other in self._clients
+                if other.resource == client.resource and other.connected and other.streaming
+            ]
+            if self.key_by == "endpoint" and newest is client and remaining:
+                # Kubelet 1.35+: another endpoint of the resource is still there; it takes
+                # over with its own latest list, and nothing is marked unhealthy.
+                promoted = remaining[-1]
+                state.active = promoted
+                state.devices = dict(promoted.devices)
+                self._record(
+                    f"promoted {promoted.endpoint}, still connected, for {client.resource}"
+                )
+            elif newest is client or self.key_by == "resource":
                 state.devices = dict.fromkeys(state.devices, UNHEALTHY)
             if (
                 self.key_by == "resource"
