@@ -326,6 +326,28 @@ def native_image_archive(session: nox.Session) -> Path:
             subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)
 
 
+# A real kubelet (issue 13).
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """The image as static pods on a real kubelet and containerd; see docs/e2e.md.
+
+    Needs root, containerd, runc, Go, kubectl, and podman and debootstrap when the image archive
+    must be built (.ci/run installs them). Kubelet is built from source once per version into
+    the cache directory. Arguments go to `python -m e2e` (e.g. --keep-logs, --variant=plugin).
+    """
+    env = {"PYTHONPATH": str(ROOT / "tools")}
+    install_dev(session)
+    session.run("python", "-m", "e2e", "preflight", env=env)
+    session.run("python", "-m", "e2e.protos", "--check", env=env)
+    archive = native_image_archive(session)
+    session.run(
+        "python", "-m", "e2e", "--plugin-image", str(archive), *session.posargs,
+        env=env, interrupt_timeout=150,
+    )  # fmt: skip
+
+
 # Load and faults (issue 4).
 
 
