@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("e2e: " + "; ".join(problems) + " (see docs/e2e.md)")
     started = time.monotonic()
     kubelet = kubelet_build.ensure(lambda line: print(f"e2e: {line}", flush=True))
+    version = subprocess.run([kubelet, "--version"], capture_output=True, text=True, check=True)
+    print(f"e2e: {kubelet}: {version.stdout.strip()}", flush=True)
     pause, pause_reference = images.pause_archive()
     plugin_archive = Path(args.plugin_image).resolve()
     plugin_references = _image_references(plugin_archive)

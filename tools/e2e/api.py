@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import attrs
 import grpc
 import trio
 
@@ -70,7 +71,7 @@ async def allocatable(resource: str) -> list[str]:
 
 
 async def assigned(resource: str) -> dict[tuple[str, str, str], list[str]]:
-    """(namespace, pod, container) -> device IDs of `resource` that kubelet assigned to it."""
+    """(namespace, pod name, container) -> device IDs of `resource` that kubelet assigned."""
     response = await _blocking(_call, LIST, pb.ListPodResourcesRequest(),
                                pb.ListPodResourcesResponse)  # fmt: skip
     found = {}
@@ -83,9 +84,19 @@ async def assigned(resource: str) -> dict[tuple[str, str, str], list[str]]:
     return found
 
 
-def pod_name(name: str) -> str:
-    """Kubelet's name for the static pod `name` (it appends the node name)."""
-    return f"{name}-{NODE_NAME}"
+@attrs.frozen
+class PodRef:
+    """A static pod: its namespace and name as written; kubelet appends the node's name."""
+
+    namespace: str
+    name: str
+
+    @property
+    def full(self) -> str:
+        return f"{self.name}-{NODE_NAME}"
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.full}"
 
 
 def _https(method: str, path: str) -> bytes:
@@ -109,25 +120,33 @@ def _https(method: str, path: str) -> bytes:
 
 
 async def pods() -> dict[str, Obj]:
-    """Kubelet's pods by name (``<name>-<node>``), each with the status kubelet keeps for it."""
+    """Kubelet's pods by ``<namespace>/<name>-<node>``, each with the status kubelet keeps."""
     body = await _blocking(_https, "GET", "/pods")
-    return {pod["metadata"]["name"]: pod for pod in json.loads(body).get("items") or []}
+    return {
+        f"{pod['metadata']['namespace']}/{pod['metadata']['name']}": pod
+        for pod in json.loads(body).get("items") or []
+    }
 
 
-async def run_in_container(namespace: str, pod: str, container: str, *argv: str) -> str:
+async def pod(ref: PodRef) -> Obj | None:
+    return (await pods()).get(str(ref))
+
+
+async def run_in_container(ref: PodRef, container: str, *argv: str) -> str:
     """Run `argv` in the container (no argument may contain a space); its output."""
     assert not any(" " in arg for arg in argv), argv
     query = urllib.parse.urlencode({"cmd": " ".join(argv)})
-    body = await _blocking(_https, "POST", f"/run/{namespace}/{pod}/{container}?{query}")
+    body = await _blocking(_https, "POST", f"/run/{ref}/{container}?{query}")
     return body.decode()
 
 
-async def probe_results(pod: str, probe_type: str) -> dict[str, float]:
-    """Kubelet's count of `probe_type` probe results for `pod`, by result."""
+async def probe_results(ref: PodRef, probe_type: str) -> dict[str, float]:
+    """Kubelet's count of `probe_type` probe results for the pod, by result."""
     text = (await _blocking(_https, "GET", "/metrics/probes")).decode()
+    labels_of_pod = (f'namespace="{ref.namespace}"', f'pod="{ref.full}"')
     counts: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("prober_probe_total{") and f'pod="{pod}"' in line:
+        if line.startswith("prober_probe_total{") and all(x in line for x in labels_of_pod):
             labels, value = line.rsplit(" ", 1)
             if f'probe_type="{probe_type}"' in labels:
                 result = labels.split('result="', 1)[1].split('"', 1)[0]

@@ -45,26 +45,49 @@ async def _kubelet_answers(node: Node) -> bool | None:
     return True
 
 
+async def start_containerd(node: Node) -> None:
+    await node.containerd.start()
+    await wait_for(f"containerd on {CONTAINERD_SOCKET}", lambda: _containerd_answers(node), 30)
+
+
+async def start_kubelet(node: Node) -> None:
+    await node.kubelet.start()
+    await wait_for("kubelet's pod-resources API", lambda: _kubelet_answers(node), 60)
+
+
 async def start_node(node: Node, args: argparse.Namespace, report: scenario.Report) -> None:
     node.write_containerd_config(args.pause_reference)
     started = scenario.now()
-    await node.containerd.start()
-    await wait_for(f"containerd on {CONTAINERD_SOCKET}", lambda: _containerd_answers(node), 30)
+    await start_containerd(node)
     report.figure("containerd started → answers", scenario.now() - started)
     started = scenario.now()
     for archive in (args.pause_image, args.plugin_image):
         await node.ctr("images", "import", archive, within=300)
     # The plugin's image under every name the rendered pods use (the consumer's included).
     wanted = set().union(*(pods.images(pods.plugin_pod(v)) for v in scenario.VARIANTS))
-    wanted |= pods.images(pods.consumer_pod(1))
+    wanted |= pods.images(pods.consumer_pod("default", "consumer"))
     for reference in sorted(wanted - {args.plugin_reference}):
         await node.ctr("images", "tag", "--force", args.plugin_reference, reference)
     report.figure("images imported into containerd", scenario.now() - started)
-    await node.kubelet.start()
-    await wait_for("kubelet's pod-resources API", lambda: _kubelet_answers(node), 60)
+    await start_kubelet(node)
     report.figure(
         "kubelet started → pod-resources answers", scenario.now() - node.kubelet.started_at
     )
+
+
+async def reset_node(node: Node) -> None:
+    """A node with no pods, images kept: kubelet stopped, every static pod file, container and
+    sandbox removed, containerd restarted (its CRI state reloaded), kubelet started again.
+
+    Between two variants: kubelet starts a static pod only when it is done with the earlier one
+    of the same name, which takes up to a minute of its garbage collection.
+    """
+    await node.kubelet.stop()
+    node.remove_all_static_pods()
+    await node.delete_all_containers()
+    await node.containerd.stop()
+    await start_containerd(node)
+    await start_kubelet(node)
 
 
 async def tear_down(node: Node) -> None:
@@ -102,7 +125,7 @@ async def main(args: argparse.Namespace) -> int:
             nursery.start_soon(_cancel_on_signal, work)
             try:
                 await start_node(node, args, report)
-                await scenario.run(node, report, variants)
+                await scenario.run(node, report, variants, reset=lambda: reset_node(node))
                 outcome = "passed"
             except AssertionError as failure:
                 outcome = "failed"

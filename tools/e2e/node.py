@@ -30,7 +30,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -251,17 +250,18 @@ class Node:
     def write_containerd_config(self, sandbox_image: str) -> None:
         (self.state / "containerd.toml").write_text(containerd_config(self.state, sandbox_image))
 
-    def put_static_pod(self, name: str, manifest: str) -> None:
+    def put_static_pod(self, namespace: str, name: str, manifest: str) -> None:
         """Into staticPodPath by rename: kubelet never reads a half-written file."""
-        staged = self.staging / f"{name}.yaml"
+        staged = self.staging / f"{namespace}_{name}.yaml"
         staged.write_text(manifest)
-        os.replace(staged, self.static_pods / f"{name}.yaml")
+        os.replace(staged, self.static_pods / staged.name)
 
-    def remove_static_pod(self, name: str) -> None:
-        (self.static_pods / f"{name}.yaml").unlink()
+    def remove_static_pod(self, namespace: str, name: str) -> None:
+        (self.static_pods / f"{namespace}_{name}.yaml").unlink()
 
-    def static_pod_names(self) -> Iterator[str]:
-        return (path.stem for path in self.static_pods.glob("*.yaml"))
+    def remove_all_static_pods(self) -> None:
+        for manifest in self.static_pods.glob("*.yaml"):
+            manifest.unlink()
 
     async def ctr(self, *args: str, within: float = CTR_TIMEOUT) -> str:
         """`ctr` in containerd's k8s.io namespace (the CRI's); its output."""
@@ -296,3 +296,9 @@ class Node:
         await wait_for("every task stopped", all_stopped, within=30)
         for container in await self.tasks():
             await self.ctr("tasks", "delete", "--force", container)
+
+    async def delete_all_containers(self) -> None:
+        """Every container and sandbox gone from containerd (tasks first)."""
+        await self.stop_all_containers()
+        for container in (await self.ctr("containers", "list", "--quiet")).split():
+            await self.ctr("containers", "delete", container)

@@ -52,11 +52,11 @@ def plugin_pod(name: str) -> Obj:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
 
 
-def consumer_pod(number: int) -> Obj:
-    """The confidential-app example as consumer-<number>, in the namespace `default`."""
+def consumer_pod(namespace: str, name: str) -> Obj:
+    """The confidential-app example, named `name` in `namespace`."""
     pod = _the(render("consumer"), "Pod")
-    pod["metadata"]["name"] = f"consumer-{number}"
-    pod["metadata"]["namespace"] = "default"
+    pod["metadata"]["name"] = name
+    pod["metadata"]["namespace"] = namespace
     return pod
 
 
