@@ -263,8 +263,12 @@ class Node:
         for manifest in self.static_pods.glob("*.yaml"):
             manifest.unlink()
 
-    async def ctr(self, *args: str, within: float = CTR_TIMEOUT) -> str:
-        """`ctr` in containerd's k8s.io namespace (the CRI's); its output."""
+    async def ctr(self, *args: str, within: float = CTR_TIMEOUT, gone_ok: bool = False) -> str:
+        """`ctr` in containerd's k8s.io namespace (the CRI's); its output.
+
+        With `gone_ok`, "not found" is no error: containerd's CRI deletes a task or container
+        by itself when it stops, so one listed a moment ago may be gone.
+        """
         with trio.fail_after(within):
             result = await trio.run_process(
                 ["ctr", "--address", CONTAINERD_SOCKET, "--namespace", "k8s.io", *args],
@@ -273,7 +277,10 @@ class Node:
                 check=False,
             )
         if result.returncode != 0:
-            raise RuntimeError(f"ctr {' '.join(args)}: {result.stderr.decode().strip()}")
+            error = result.stderr.decode().strip()
+            if gone_ok and "not found" in error:
+                return ""
+            raise RuntimeError(f"ctr {' '.join(args)}: {error}")
         return result.stdout.decode()
 
     async def tasks(self) -> dict[str, tuple[int, str]]:
@@ -288,17 +295,17 @@ class Node:
         """Every container's task killed and deleted, so that runc removes its cgroups."""
         for container, (_, status) in (await self.tasks()).items():
             if status != "STOPPED":
-                await self.ctr("tasks", "kill", "--signal", "SIGKILL", container)
+                await self.ctr("tasks", "kill", "--signal", "SIGKILL", container, gone_ok=True)
 
         async def all_stopped() -> bool | None:
             return all(s == "STOPPED" for _, s in (await self.tasks()).values()) or None
 
         await wait_for("every task stopped", all_stopped, within=30)
         for container in await self.tasks():
-            await self.ctr("tasks", "delete", "--force", container)
+            await self.ctr("tasks", "delete", "--force", container, gone_ok=True)
 
     async def delete_all_containers(self) -> None:
         """Every container and sandbox gone from containerd (tasks first)."""
         await self.stop_all_containers()
         for container in (await self.ctr("containers", "list", "--quiet")).split():
-            await self.ctr("containers", "delete", container)
+            await self.ctr("containers", "delete", container, gone_ok=True)
