@@ -49,10 +49,9 @@ def _image_references(archive: Path) -> list[str]:
 
 
 def _cgroups() -> set[Path]:
-    """runc's cgroups for containerd's k8s.io namespace, in every hierarchy."""
-    return {p for p in CGROUPS.glob("*/k8s.io") if p.is_dir()} | {
-        p for p in CGROUPS.glob("*/k8s.io/*") if p.is_dir()
-    }
+    """runc's cgroups for containerd's k8s.io namespace, in every hierarchy (v1 and v2)."""
+    patterns = ("k8s.io", "k8s.io/*", "*/k8s.io", "*/k8s.io/*")
+    return {path for pattern in patterns for path in CGROUPS.glob(pattern) if path.is_dir()}
 
 
 def _remove_new_cgroups(before: set[Path]) -> None:

@@ -87,7 +87,11 @@ def _overlay(path: str, state: Path) -> None:
     _run("mount", "-t", "overlay", "-o", options, f"pcc-e2e-{name}", path)
     for mountpoint in top:
         relative = Path(mountpoint).relative_to(path)
-        _run("mount", "--rbind", str(original / relative), mountpoint)
+        again = ["mount", "--rbind", str(original / relative), mountpoint]
+        if subprocess.run(again, capture_output=True, check=False).returncode != 0:
+            # e.g. a user's FUSE mount under /run/user, which root may not open: the node
+            # needs none of them.
+            print(f"e2e: {mountpoint} is not bound again inside the namespace", flush=True)
 
 
 def privatise(state: Path) -> None:
@@ -101,6 +105,8 @@ def privatise(state: Path) -> None:
         Path(target).mkdir(parents=True, exist_ok=True)
         _run("mount", "--bind", str(source), target)
     for sysctl in KUBELET_SYSCTLS:
+        if not (Path("/proc/sys") / sysctl).exists():
+            continue
         private = state / "sysctl" / sysctl.replace("/", ".")
         private.parent.mkdir(parents=True, exist_ok=True)
         private.write_text((Path("/proc/sys") / sysctl).read_text())
@@ -142,7 +148,8 @@ class Daemon:
             with trio.move_on_after(grace):
                 return await process.wait()
             process.kill()
-        return await process.wait()
+        with trio.fail_after(10):
+            return await process.wait()
 
     def check_running(self) -> None:
         if self.process is None or self.process.returncode is not None:
