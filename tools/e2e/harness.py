@@ -105,7 +105,8 @@ async def tear_down(node: Node) -> None:
 
 
 def keep_pod_logs(logs: Path) -> None:
-    """Every container's log as kubelet kept it (/var/log/pods is private to the namespace)."""
+    """Every container's log as kubelet kept it (/var/log/pods is private to the namespace);
+    `python -m e2e` removes them with the rest after a run that passed, unless --keep-logs."""
     source = Path("/var/log/pods")
     if source.is_dir():
         shutil.copytree(source, logs / "pods", symlinks=False, dirs_exist_ok=True)
@@ -136,8 +137,7 @@ async def main(args: argparse.Namespace) -> int:
                 traceback.print_exc()
             finally:
                 with trio.CancelScope(shield=True):
-                    if outcome != "passed":
-                        keep_pod_logs(logs)
+                    keep_pod_logs(logs)
                     await tear_down(node)
                 nursery.cancel_scope.cancel()
     print(f"\n{report.table()}\n", flush=True)
