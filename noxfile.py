@@ -89,6 +89,9 @@ BASE_SUITE = "bookworm"
 BASE_PACKAGES = "python3,python3-venv"
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 EXTRA_CAS = Path("/usr/local/share/ca-certificates")
+# The image session leaves its images here as docker-archive tarballs; nox -s e2e reads them.
+IMAGE_ARCHIVES = ROOT / "build" / "images"
+NATIVE_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
 
 
 @nox.session
@@ -217,7 +220,9 @@ def image(session: nox.Session) -> None:
 
     Only BASE_IMAGE is overridden. tests/test_image.py checks the image's contents and starts
     the plugin from its filesystem against the simulated kubelet. Every image this session
-    builds is removed at the end, failed or not; the base stays cached.
+    builds is removed from podman at the end, failed or not; the base stays cached, and the
+    checked image stays as build/images/pcc-device-plugin-linux-<arch>.tar (docker-archive),
+    which nox -s e2e runs.
     """
     missing = [
         tool
@@ -234,11 +239,7 @@ def image(session: nox.Session) -> None:
     tag = f"localhost/pcc-device-plugin:nox-{os.getpid()}"
     before = _podman_images()
     try:
-        session.run(
-            "podman", "build", "--isolation=chroot", "--pull=never",
-            "--build-arg", f"BASE_IMAGE={base}", "--tag", tag, "--file", "Containerfile", ".",
-            external=True,
-        )  # fmt: skip
+        build_image(session, base, tag)
         for ref in (base, tag):
             size = subprocess.run(
                 ["podman", "image", "inspect", "--format", "{{.Size}}", ref],
@@ -253,10 +254,98 @@ def image(session: nox.Session) -> None:
             *session.posargs,
             env={"PCC_IMAGE": tag, "PCC_REQUIRE_KUBECTL": "1"},
         )
+        save_image(session, tag, NATIVE_ARCH)
     finally:
         created = _podman_images() - before
         if created:
             subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)
+
+
+def build_image(session: nox.Session, base: str, tag: str) -> None:
+    """The image from the Containerfile on `base`, tagged `tag` in podman's store."""
+    session.run(
+        "podman", "build", "--isolation=chroot", "--pull=never",
+        "--build-arg", f"BASE_IMAGE={base}", "--tag", tag, "--file", "Containerfile", ".",
+        external=True,
+    )  # fmt: skip
+
+
+def image_archive(arch: str) -> Path:
+    """Where the image session leaves the image of `arch` (Go's name: amd64, arm64, ...)."""
+    return IMAGE_ARCHIVES / f"pcc-device-plugin-linux-{arch}.tar"
+
+
+def save_image(session: nox.Session, tag: str, arch: str) -> Path:
+    """`tag` as a docker-archive tarball at image_archive(arch), written by rename."""
+    target = image_archive(arch)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".tar.partial")
+    partial.unlink(missing_ok=True)
+    session.run(
+        "podman", "save", "--quiet", "--format", "docker-archive", "--output", str(partial), tag,
+        external=True,
+    )  # fmt: skip
+    os.replace(partial, target)
+    session.log(f"image archive: {target.relative_to(ROOT)} ({target.stat().st_size / 1e6:.0f} MB)")
+    return target
+
+
+def _image_inputs() -> list[Path]:
+    """What the Containerfile copies (see .containerignore), and the Containerfile itself."""
+    files = [ROOT / name for name in ("Containerfile", "pyproject.toml", "README.md")]
+    files.append(ROOT / "requirements" / "runtime.txt")
+    files += (
+        p for p in (ROOT / "pcc_plugin").rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
+    return files
+
+
+def native_image_archive(session: nox.Session) -> Path:
+    """The image for this machine's architecture as a docker-archive tarball.
+
+    Left by `nox -s image` (which CI runs first); built here the same way when it is missing or
+    older than what goes into the image. Only images this call creates are removed again.
+    """
+    archive = image_archive(NATIVE_ARCH)
+    if archive.exists():
+        built = archive.stat().st_mtime
+        newer = [str(p.relative_to(ROOT)) for p in _image_inputs() if p.stat().st_mtime > built]
+        if not newer:
+            session.log(f"image archive: {archive.relative_to(ROOT)} (left by nox -s image)")
+            return archive
+        session.log(f"image archive is older than {', '.join(sorted(newer)[:3])}: rebuilding")
+    base = local_base_image(session)
+    tag = f"localhost/pcc-device-plugin:nox-{os.getpid()}"
+    before = _podman_images()
+    try:
+        build_image(session, base, tag)
+        return save_image(session, tag, NATIVE_ARCH)
+    finally:
+        created = _podman_images() - before
+        if created:
+            subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)
+
+
+# A real kubelet (issue 13).
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """The image as static pods on a real kubelet and containerd; see docs/e2e.md.
+
+    Needs root, containerd, runc, Go, kubectl, and podman and debootstrap when the image archive
+    must be built (.ci/run installs them). Kubelet is built from source once per version into
+    the cache directory. Arguments go to `python -m e2e` (e.g. --keep-logs, --variant=plugin).
+    """
+    env = {"PYTHONPATH": str(ROOT / "tools")}
+    install_dev(session)
+    session.run("python", "-m", "e2e", "preflight", env=env)
+    session.run("python", "-m", "e2e.protos", "--check", env=env)
+    archive = native_image_archive(session)
+    session.run(
+        "python", "-m", "e2e", "--plugin-image", str(archive), *session.posargs,
+        env=env, interrupt_timeout=150,
+    )  # fmt: skip
 
 
 # Load and faults (issue 4).
