@@ -35,7 +35,8 @@ import grpc
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.sim.kubelet import ALLOCATE, LIST_AND_WATCH, Registration
+from pcc_plugin.sim.rules import ALLOCATE, LIST_AND_WATCH
+from pcc_plugin.sim.state import Registration
 
 ROOT = Path(__file__).resolve().parent.parent
 RESOURCE = "tke.cloud.tencent.com/pcc-device"

@@ -34,7 +34,7 @@ from pcc_plugin.sim import (
     run_blocking,
 )
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.sim.kubelet import ALLOCATE, LIST_AND_WATCH
+from pcc_plugin.sim.rules import ALLOCATE, LIST_AND_WATCH
 
 SHARES = MAX_CONTAINER_REQUESTS
 HEALTHY_SHARES = {f"pcc-{index}": "Healthy" for index in range(SHARES)}

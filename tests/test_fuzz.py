@@ -27,7 +27,7 @@ from pcc_plugin.grpc_server import MAX_MESSAGE_BYTES
 from pcc_plugin.service import MAX_CONTAINER_REQUESTS
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.sim.kubelet import (
+from pcc_plugin.sim.rules import (
     ALLOCATE,
     GET_DEVICE_PLUGIN_OPTIONS,
     GET_PREFERRED_ALLOCATION,
