@@ -102,6 +102,7 @@ WARM_UP = 30
 RSS_GROWTH_LIMIT_KIB = 3 * 1024
 
 
+@pytest.mark.slow
 async def test_a_storm_of_300_kubelet_restarts_leaks_nothing(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
