@@ -103,7 +103,7 @@ def lock(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-# Shipping: manifests, Containerfile, image (issues 3 and 7).
+# Shipping: manifests, Containerfile, image.
 
 IMAGE_ARCHES = ("x86_64", "aarch64", "ppc64le", "s390x")
 IMAGE_CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin"))
@@ -348,7 +348,7 @@ def native_image_archive(session: nox.Session) -> Path:
             subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)
 
 
-# A real kubelet (issue 13).
+# A real kubelet.
 
 
 @nox.session
@@ -370,7 +370,7 @@ def e2e(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-# Load and faults (issue 4).
+# Load and faults.
 
 
 @nox.session
