@@ -21,6 +21,7 @@ from pcc_plugin.resource import (
     pcc_resource,
     resource_name_problem,
 )
+from pcc_plugin.sensitive import device_hazard, mount_hazard, normalised
 
 PROG = "pcc-device-plugin"
 # Printed by `--version --v=1`: what a bug report needs besides our own version.
@@ -54,6 +55,19 @@ def _flag(
 
 def _absolute(_: str, value: str) -> str | None:
     return None if value.startswith("/") else f"must be an absolute path, got {value!r}"
+
+
+def _host_path(hazard: Callable[[str], str | None]) -> Check:
+    """An absolute path that is not a sensitive host path (flags have no opt-in)."""
+
+    def check(name: str, value: str) -> str | None:
+        problem = _absolute(name, value)
+        if problem:
+            return problem
+        danger = hazard(normalised(value))
+        return f"{danger}: refusing to hand it to containers" if danger else None
+
+    return check
 
 
 def _count_range(low: int, high: int | None) -> Check:
@@ -103,12 +117,12 @@ class Flags:
     pcc_device: str = _flag(
         "--pcc-device", "/dev/sev-guest",
         "host device node, given to containers as /dev/sev-guest",
-        metavar="PATH", check=_absolute,
+        metavar="PATH", check=_host_path(device_hazard),
     )  # fmt: skip
     pcc_socket_path: str = _flag(
         "--pcc-socket-path", "/var/run/pcc",
         "host PCC socket directory, mounted read-write at /var/run/pcc",
-        metavar="DIR", check=_absolute,
+        metavar="DIR", check=_host_path(mount_hazard),
     )  # fmt: skip
     resource_name: str = _flag(
         "--resource-name", "tke.cloud.tencent.com/pcc-device",
@@ -167,7 +181,10 @@ class Flags:
     def pcc_resource(self) -> ResourceSpec:
         """The resource these flags describe (served unless --config names a file)."""
         return pcc_resource(
-            self.resource_name, self.resource_count, self.pcc_device, self.pcc_socket_path
+            self.resource_name,
+            self.resource_count,
+            normalised(self.pcc_device),
+            normalised(self.pcc_socket_path),
         )
 
 

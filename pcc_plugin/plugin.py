@@ -13,6 +13,7 @@ from pcc_plugin import wire
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.klog import V1
 from pcc_plugin.resource import Device, DeviceNode, Grant, ResourceSpec, grant, take_inventory
+from pcc_plugin.sensitive import OPT_IN, opted_in
 from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class DevicePlugin:
         self.devices: tuple[Device, ...] = ()
         self._by_id: dict[str, Device] = {}
         self.feed = DeviceFeed(b"")
+        for hazard in opted_in(spec):
+            log.warning("%s: %s; containers get it: its entry sets %s", spec.name, hazard, OPT_IN)
         self.refresh()
 
     def refresh(self) -> None:

@@ -36,13 +36,14 @@ from pcc_plugin.resource import (
     ResourceSpec,
     resource_name_problem,
 )
+from pcc_plugin.sensitive import OPT_IN, device_hazard, mount_hazard, normalised
 from pcc_plugin.yaml_input import KeyProblem, child, shown_value
 
 T = TypeVar("T")
 
 _RESOURCE_KEYS = {"name", "count", "socketPrefix", "devices", "mounts", "env"}
-_DEVICE_KEYS = {"hostPath", "containerPath", "permissions", "type"}
-_MOUNT_KEYS = {"hostPath", "containerPath", "readOnly"}
+_DEVICE_KEYS = {"hostPath", "containerPath", "permissions", "type", OPT_IN}
+_MOUNT_KEYS = {"hostPath", "containerPath", "readOnly", OPT_IN}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SOCKET_PREFIX = re.compile(r"[a-z0-9][a-z0-9.-]{0,19}")
 
@@ -70,9 +71,28 @@ def _list(where: str, value: Any, item: Callable[[str, Any], T]) -> tuple[T, ...
 
 
 def _absolute_path(where: str, value: Any) -> str:
+    """The path, normalised: what is checked is what is handed out."""
     if not isinstance(value, str) or not value.startswith("/"):
         raise KeyProblem(where, f"must be an absolute path, got {shown_value(value)}")
-    return value
+    return normalised(value)
+
+
+def _sensitive_allowed(where: str, entry: dict[str, Any], hazard: str | None) -> bool:
+    """Whether the entry opts in to its sensitive host path; refuses it without the opt-in,
+    and an opt-in that is not needed (it would let a later edit of the path pass unseen)."""
+    allowed = entry.get(OPT_IN, False)
+    if not isinstance(allowed, bool):
+        raise KeyProblem(f"{where}.{OPT_IN}", f"must be true or false, got {shown_value(allowed)}")
+    if hazard and not allowed:
+        raise KeyProblem(
+            f"{where}.hostPath",
+            f"{hazard}: refused unless this entry sets {OPT_IN}: true (docs/profiles.md)",
+        )
+    if allowed and not hazard:
+        raise KeyProblem(
+            f"{where}.{OPT_IN}", "hostPath is not a sensitive host path: remove the opt-in"
+        )
+    return allowed
 
 
 def _device(where: str, value: Any) -> DeviceNode:
@@ -88,14 +108,15 @@ def _device(where: str, value: Any) -> DeviceNode:
     device_type: DeviceType = entry.get("type", "char")
     if device_type not in ("char", "block"):
         raise KeyProblem(f"{where}.type", f"must be char or block, got {shown_value(device_type)}")
+    allowed = _sensitive_allowed(where, entry, device_hazard(host_path))
     if glob.has_magic(host_path):
         if "containerPath" in entry:
             raise KeyProblem(
                 f"{where}.containerPath", "not allowed with a glob: each match keeps its path"
             )
-        return DeviceNode(host_path, "", permissions, device_type)
+        return DeviceNode(host_path, "", permissions, device_type, allowed)
     container_path = _absolute_path(f"{where}.containerPath", entry.get("containerPath", host_path))
-    return DeviceNode(host_path, container_path, permissions, device_type)
+    return DeviceNode(host_path, container_path, permissions, device_type, allowed)
 
 
 def _mount(where: str, value: Any) -> HostMount:
@@ -107,7 +128,8 @@ def _mount(where: str, value: Any) -> HostMount:
         raise KeyProblem(
             f"{where}.readOnly", f"must be true or false, got {shown_value(read_only)}"
         )
-    return HostMount(host_path, container_path, read_only)
+    allowed = _sensitive_allowed(where, entry, mount_hazard(host_path))
+    return HostMount(host_path, container_path, read_only, allow_sensitive=allowed)
 
 
 def _env(where: str, value: Any) -> tuple[tuple[str, str], ...]:

@@ -105,6 +105,21 @@ def test_largest_resource_count_is_accepted() -> None:
         (["--resource-name=Example.com/pcc"], "is not a lowercase DNS subdomain"),
         (["--resource-name=example.com/-pcc"], "must be 1-63 characters"),
         (["--pcc-device=dev/sev-guest"], "--pcc-device: must be an absolute path"),
+        (
+            ["--pcc-device=//dev/./mem"],
+            "--pcc-device: /dev/mem is the host's physical memory: refusing to hand it to "
+            "containers",
+        ),
+        (["--pcc-device=/dev/port"], "--pcc-device: /dev/port is the host's I/O ports"),
+        (["--pcc-socket-path=/"], "--pcc-socket-path: / is the host's whole filesystem"),
+        (
+            ["--pcc-socket-path=/var/run/pcc/../"],
+            "--pcc-socket-path: /var/run holds /var/run/containerd (containerd's socket",
+        ),
+        (
+            ["--pcc-socket-path=/etc/pcc/"],
+            "--pcc-socket-path: /etc/pcc is inside /etc (the host's configuration",
+        ),
         (["--host-root=host"], "--host-root: must be empty or an absolute path"),
         (["--device-plugin-path=/" + "d" * 80], "--device-plugin-path: is too long"),
         (["--v=-1"], "--v: must be at least 0, got -1"),

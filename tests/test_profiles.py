@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -381,6 +382,145 @@ def test_any_damage_to_a_file_is_one_line_or_still_a_file(
     assert "\n" not in message
 
 
+def one_entry(kind: str, entry: str) -> str:
+    return f"resources: [{{name: a.example.com/x, {kind}: [{{{entry}}}]}}]"
+
+
+REFUSED_UNLESS_OPTED_IN = "refused unless this entry sets allowSensitiveHostPath: true"
+
+
+@pytest.mark.parametrize(
+    ("kind", "host_path", "hazard"),
+    [
+        ("mounts", "/", "/ is the host's whole filesystem"),
+        ("mounts", "//etc/", "/etc is the host's configuration and credentials"),
+        ("mounts", "/usr/../etc/kubernetes", "/etc/kubernetes is inside /etc (the host's"),
+        ("mounts", "/proc", "/proc is the host's processes and kernel settings"),
+        ("mounts", "/sys/fs/cgroup", "/sys/fs/cgroup is inside /sys"),
+        ("mounts", "/dev", "/dev is every device node of the host"),
+        ("mounts", "/boot", "/boot is the host's kernel and boot loader"),
+        ("mounts", "/root/.ssh", "/root/.ssh is inside /root"),
+        ("mounts", "/var/lib/kubelet/", "/var/lib/kubelet is kubelet's state"),
+        ("mounts", "/var/lib/kubelet/pods", "/var/lib/kubelet/pods is inside /var/lib/kubelet"),
+        ("mounts", "/var", "/var holds /var/lib/kubelet"),
+        ("mounts", "/run", "/run holds /run/containerd (containerd's socket directory"),
+        ("mounts", "/var/run/pcc/..", "/var/run holds /var/run/containerd"),
+        ("mounts", "/run/containerd", "/run/containerd is containerd's socket directory"),
+        ("mounts", "/var/run/containerd", "/var/run/containerd is containerd's socket"),
+        ("mounts", "/run/crio", "/run/crio is CRI-O's socket directory"),
+        ("mounts", "/var/run/crio/", "/var/run/crio is CRI-O's socket directory"),
+        ("mounts", "/run/docker.sock", "/run/docker.sock is Docker's socket"),
+        ("mounts", "/var/run/docker.sock", "/var/run/docker.sock is Docker's socket"),
+        ("mounts", "/var/run/dockershim.sock", "/var/run/dockershim.sock is dockershim's"),
+        ("mounts", "/var/lib/containerd", "/var/lib/containerd is containerd's storage"),
+        ("devices", "/dev/mem", "/dev/mem is the host's physical memory"),
+        ("devices", "/dev/./kmem", "/dev/kmem is the kernel's memory"),
+        ("devices", "//dev/port", "/dev/port is the host's I/O ports"),
+        ("devices", "/dev/*", "/dev/* matches /dev/mem (the host's physical memory)"),
+        ("devices", "/dev/[kx]mem", "/dev/[kx]mem matches /dev/kmem (the kernel's memory)"),
+    ],
+)
+def test_sensitive_host_paths_are_refused_without_an_opt_in(
+    tmp_path: Path, kind: str, host_path: str, hazard: str
+) -> None:
+    path = write(tmp_path, one_entry(kind, f"hostPath: {host_path!r}"))
+    with pytest.raises(ProfileError) as error:
+        load(path)
+    assert str(error.value).startswith(f"{path}: resources[0].{kind}[0].hostPath: {hazard}")
+    assert str(error.value).endswith(f"{REFUSED_UNLESS_OPTED_IN} (docs/profiles.md)")
+
+
+def test_an_entry_may_opt_in_to_a_sensitive_host_path(tmp_path: Path) -> None:
+    (spec,) = load(
+        write(
+            tmp_path,
+            """
+            resources:
+              - name: a.example.com/x
+                devices:
+                  - {hostPath: /dev/mem, permissions: r, allowSensitiveHostPath: true}
+                  - {hostPath: /dev/vda, allowSensitiveHostPath: false}
+                mounts:
+                  - hostPath: /var/lib/kubelet/pod-resources/
+                    allowSensitiveHostPath: true
+            """,
+        )
+    )
+    assert spec.device_nodes == (
+        DeviceNode("/dev/mem", "/dev/mem", "r", "char", allow_sensitive=True),
+        DeviceNode("/dev/vda", "/dev/vda", "rw", "char"),
+    )
+    assert spec.mounts == (
+        HostMount(
+            "/var/lib/kubelet/pod-resources",
+            "/var/lib/kubelet/pod-resources",
+            allow_sensitive=True,
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            "hostPath: /var/run/pcc, allowSensitiveHostPath: true",
+            "resources[0].mounts[0].allowSensitiveHostPath: hostPath is not a sensitive host "
+            "path: remove the opt-in",
+        ),
+        (
+            "hostPath: /etc, allowSensitiveHostPath: 'yes'",
+            "resources[0].mounts[0].allowSensitiveHostPath: must be true or false, got 'yes'",
+        ),
+    ],
+)
+def test_an_opt_in_must_be_needed_and_boolean(tmp_path: Path, entry: str, message: str) -> None:
+    path = write(tmp_path, one_entry("mounts", entry))
+    with pytest.raises(ProfileError, match=re.escape(f"{path}: {message}")):
+        load(path)
+
+
+def test_paths_are_handed_out_normalised(tmp_path: Path) -> None:
+    (spec,) = load(
+        write(
+            tmp_path,
+            one_entry("mounts", "hostPath: //var/run/./pcc/, containerPath: /pcc/../run/pcc/"),
+        )
+    )
+    assert spec.mounts == (HostMount("/var/run/pcc", "/run/pcc"),)
+
+
+async def test_each_opt_in_is_a_warning_at_start(
+    fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    config = fake_node.root / "profiles.yaml"
+    config.write_text(
+        textwrap.dedent(
+            """
+            resources:
+              - name: a.example.com/x
+                devices:
+                  - {hostPath: /dev/sev-guest}
+                  - {hostPath: /dev/mem, allowSensitiveHostPath: true}
+                mounts: [{hostPath: /var/lib/kubelet/pod-resources, allowSensitiveHostPath: true}]
+              - name: b.example.com/y
+                mounts: [{hostPath: /var/run/pcc}]
+            """
+        )
+    )
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0), f"--config={config}")
+        await run_blocking(daemon.wait_for_log, "Serving /metrics", 10.0)
+    warnings = [line for line in daemon.log_text().splitlines() if "allowSensitiveHostPath" in line]
+    assert [line[0] for line in warnings] == ["W", "W"]
+    assert [line.split("] ", 1)[1] for line in warnings] == [
+        "a.example.com/x: /dev/mem is the host's physical memory; containers get it: "
+        "its entry sets allowSensitiveHostPath",
+        "a.example.com/x: /var/lib/kubelet/pod-resources is inside /var/lib/kubelet "
+        "(kubelet's state, with every pod's volumes and secrets); containers get it: "
+        "its entry sets allowSensitiveHostPath",
+    ]
+
+
 async def test_two_resources_at_once_one_with_its_device_missing(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
@@ -485,6 +625,13 @@ async def test_two_resources_at_once_one_with_its_device_missing(
             b"a: &a x\nb: [" + b", ".join([b"*a"] * 30_000) + b"]\n",
             f"at line 2, column {5 + 4 * MAX_ALIASES}: more than {MAX_ALIASES} aliases",
             id="aliases",
+        ),
+        pytest.param(
+            b"resources: [{name: a.b/c, mounts: [{hostPath: /var/run}]}]\n",
+            "resources[0].mounts[0].hostPath: /var/run holds /var/run/containerd (containerd's "
+            "socket directory, root on the node): refused unless this entry sets "
+            "allowSensitiveHostPath: true (docs/profiles.md)",
+            id="sensitive mount",
         ),
         pytest.param(
             b"#" * (MAX_BYTES + 1),
