@@ -8,6 +8,7 @@ exit 2.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -24,11 +25,17 @@ from pcc_plugin.resource import (
 from pcc_plugin.sensitive import device_hazard, mount_hazard, normalised
 
 PROG = "pcc-device-plugin"
+# The DaemonSet's name in manifests/, which passes it from the pod label app.kubernetes.io/instance.
+DEFAULT_INSTANCE_NAME = PROG
 # Printed by `--version --v=1`: what a bug report needs besides our own version.
 STACK = ("trio", "trio-asyncio", "grpclib", "betterproto2", "asyncinotify", "attrs")
 # A unix socket path holds at most 107 bytes; our socket names take up to 51
 # (`<prefix of up to 20>-<pid>-<token>-<n>.sock`).
 MAX_PLUGIN_DIR_BYTES = 56
+
+
+# A Kubernetes label value that is not empty: the manifests pass one.
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
 class UsageError(ValueError):
@@ -88,6 +95,20 @@ def _plugin_dir(name: str, value: str) -> str | None:
     if size > MAX_PLUGIN_DIR_BYTES:
         return f"is too long for unix sockets: {size} bytes, at most {MAX_PLUGIN_DIR_BYTES}"
     return _absolute(name, value)
+
+
+def _instance_name(_: str, value: str) -> str | None:
+    if not value:
+        return (
+            "must not be empty: the manifests pass the pod label app.kubernetes.io/instance, "
+            "set it in the pod template"
+        )
+    if len(value) <= 63 and _LABEL_VALUE.fullmatch(value):
+        return None
+    return (
+        f"must be 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or "
+        f"digit, as a Kubernetes label value is, got {value!r}"
+    )
 
 
 def _bind_address(_: str, value: str) -> str | None:
@@ -170,6 +191,13 @@ class Flags:
     cdi_spec_dir: str = _flag(
         "--cdi-spec-dir", "/var/run/cdi", "where CDI specs are written",
         metavar="DIR", check=_absolute,
+    )  # fmt: skip
+    instance_name: str = _flag(
+        "--instance-name", DEFAULT_INSTANCE_NAME,
+        "this instance's name, written into its CDI specs: it rewrites and removes only "
+        "specs of its own name, so instances sharing --cdi-spec-dir need different names "
+        "(the manifests pass the pod label app.kubernetes.io/instance)",
+        metavar="NAME", check=_instance_name,
     )  # fmt: skip
     verbosity: int = _flag(
         "--v", 0,

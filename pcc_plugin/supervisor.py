@@ -85,7 +85,7 @@ def make_plugins(config: Flags, specs: list[ResourceSpec]) -> list[DevicePlugin]
     if cdi_spec_dir is not None:
         from pcc_plugin import cdi
 
-        cdi.remove_departed_specs(cdi_spec_dir, {spec.name for spec in specs})
+        cdi.remove_departed_specs(cdi_spec_dir, {spec.name for spec in specs}, config.instance_name)
     for spec in specs:
         log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
     return [
@@ -95,6 +95,7 @@ def make_plugins(config: Flags, specs: list[ResourceSpec]) -> list[DevicePlugin]
             ResourceStats(),
             pre_start_check=config.pre_start_check,
             cdi_spec_dir=cdi_spec_dir,
+            instance_name=config.instance_name,
         )
         for spec in specs
     ]

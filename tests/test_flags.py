@@ -44,6 +44,7 @@ def test_defaults() -> None:
         config="",
         cdi=False,
         cdi_spec_dir="/var/run/cdi",
+        instance_name="pcc-device-plugin",
     )
 
 
@@ -121,6 +122,17 @@ def test_largest_resource_count_is_accepted() -> None:
             "--pcc-socket-path: /etc/pcc is inside /etc (the host's configuration",
         ),
         (["--host-root=host"], "--host-root: must be empty or an absolute path"),
+        (
+            ["--instance-name="],
+            "--instance-name: must not be empty: the manifests pass the pod label "
+            "app.kubernetes.io/instance, set it in the pod template",
+        ),
+        (
+            ["--instance-name=a b"],
+            "--instance-name: must be 1-63 letters, digits, '-', '_' or '.', starting and "
+            "ending with a letter or digit, as a Kubernetes label value is, got 'a b'",
+        ),
+        (["--instance-name=" + "a" * 64], "--instance-name: must be 1-63 letters"),
         (["--device-plugin-path=/" + "d" * 80], "--device-plugin-path: is too long"),
         (["--v=-1"], "--v: must be at least 0, got -1"),
         (["--metrics-bind-address=8080"], "--metrics-bind-address: must be host:port"),
