@@ -185,6 +185,7 @@ class Resources:
             ResourceStats(),
             pre_start_check=self.config.pre_start_check,
             cdi_spec_dir=self._cdi_spec_dir,
+            instance_name=self.config.instance_name,
         )
         scope = trio.CancelScope()
         self._running[spec.name] = (plugin, scope)
@@ -241,7 +242,7 @@ class Resources:
             from pcc_plugin import cdi
 
             names = {spec.name for spec in self.configuration.specs}
-            cdi.remove_departed_specs(self._cdi_spec_dir, names)
+            cdi.remove_departed_specs(self._cdi_spec_dir, names, self.config.instance_name)
 
     def describe(self) -> list[str]:
         """The task tree and each resource's state, as SIGUSR1 writes them to the log."""
