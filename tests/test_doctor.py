@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import attrs
 import pytest
 import trio
 
+from pcc_plugin.doctor.config import check_config
 from pcc_plugin.doctor.node import check_pcc_node
 from pcc_plugin.doctor.report import Result
 from pcc_plugin.flags import Flags
@@ -29,7 +31,7 @@ PLUGIN_DIR = "device-plugin dir"
 KUBELET = "kubelet"
 PLUGIN = f"plugin {RESOURCE}"
 READYZ = "readyz"
-CHECKS = [DEVICE, SEV_SNP, PCC_DIR, PLUGIN_DIR, KUBELET, PLUGIN, READYZ]
+CHECKS = [DEVICE, SEV_SNP, PCC_DIR, PLUGIN_DIR, KUBELET, PLUGIN, READYZ]  # no --config
 # The fake node's device is a symlink to /dev/null, and its sysfs names no sev-guest device: on
 # a healthy fake node these two checks warn, and every other passes.
 FAKE_NODE_WARNS = {DEVICE, SEV_SNP}
@@ -358,6 +360,10 @@ async def test_with_a_config_file_every_resource_is_checked(
             kubelet.wait_for, lambda: "Unhealthy" in kubelet.devices("example.com/vfio").values()
         )
         one_gone = await run_doctor(*args)
+        # The file changed to something the daemon refuses: so does the doctor, and says why.
+        config.write_text("resources: []\n")
+        await run_blocking(daemon.wait_for_log, "Configuration not reloaded", 10.0)
+        refused = await run_doctor(*args)
     assert healthy.code == 0
     assert list(healthy.lines) == [
         "device /dev/sev-guest",
@@ -368,7 +374,14 @@ async def test_with_a_config_file_every_resource_is_checked(
         "plugin example.com/pcc",
         "plugin example.com/vfio",
         READYZ,
+        "config",
     ]
+    assert healthy.lines["config"].startswith(f"PASS  config: the daemon runs {config} as it is")
+    assert refused.code == 1
+    assert refused.statuses["config"] == "FAIL"
+    assert "resources: must list at least one resource" in refused.lines["config"]
+    assert "the daemon keeps running the configuration it had" in refused.lines["config"]
+    assert refused.statuses[READYZ] == "PASS"
     assert "2 match, each a character device" in healthy.lines["device /dev/vfio/[0-9]*"]
     assert "lists 2 devices, 2 Healthy" in healthy.lines["plugin example.com/pcc"]
     assert "lists 2 devices, 2 Healthy" in healthy.lines["plugin example.com/vfio"]
@@ -531,3 +544,32 @@ def test_a_device_node_that_is_no_symlink_does_not_warn(host: Path) -> None:
     except PermissionError:
         pytest.skip("needs CAP_MKNOD to make a device node")
     assert pcc_node_checks(host)[DEVICE].status == "PASS"
+
+
+async def test_a_file_the_daemon_has_not_applied_yet_warns(tmp_path: Path) -> None:
+    """As between kubelet updating a ConfigMap volume and the daemon's reload."""
+    config = tmp_path / "resources.yaml"
+    config.write_text("resources: [{name: example.com/x, mounts: [{hostPath: /tmp}]}]\n")
+    body = (
+        b'pcc_device_plugin_config_info{hash="0123456789abcdef",source="x"} 1.0\n'
+        b"pcc_device_plugin_config_last_reload_successful 1.0\n"
+    )
+
+    async def metrics(stream: trio.SocketStream) -> None:
+        await stream.receive_some(4096)
+        head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        await stream.send_all(head.encode() + body)
+        await stream.aclose()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, metrics, 0, host="127.0.0.1")
+            )
+            (listener,) = listeners
+            port = listener.socket.getsockname()[1]
+            result = await check_config(str(config), f"127.0.0.1:{port}", None)
+            nursery.cancel_scope.cancel()
+    assert result.status == "WARN"
+    assert "is not what the daemon runs (hash 0123456789abcdef)" in result.detail
+    assert "at once on SIGHUP" in result.fix

@@ -18,4 +18,6 @@ calls kubelet makes, and a ListAndWatch stream that ends after its first message
     mountinfo.py  which mount holds a path, for the read-only diagnosis
     kubelet.py    kubelet's socket directory, kubelet.sock, the daemon's socket
     readyz.py     the daemon's /readyz
+    config.py     whether the daemon runs the --config file as it is now
+    http.py       the small HTTP client those two use
 """

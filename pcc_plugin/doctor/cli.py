@@ -11,6 +11,7 @@ from typing import NoReturn
 import trio
 
 from pcc_plugin import bridge, flags, klog
+from pcc_plugin.doctor.config import check_config
 from pcc_plugin.doctor.kubelet import (
     check_kubelet,
     check_plugin,
@@ -33,9 +34,16 @@ EPILOG = "Exit codes: 0 no check failed; 1 a check failed; 2 usage error."
 
 
 async def examine(
-    config: Flags, specs: Sequence[ResourceSpec], report: Callable[[Result], None]
+    config: Flags,
+    specs: Sequence[ResourceSpec],
+    report: Callable[[Result], None],
+    config_problem: str | None = None,
 ) -> None:
-    """Run every check in order and `report` each result as it comes."""
+    """Run every check in order and `report` each result as it comes.
+
+    With an invalid --config file (`config_problem`), there are no resources to check, but
+    kubelet and the daemon still can be: it keeps running the configuration it had.
+    """
     host_root = config.host_root
     if config.config:
         node_checks: dict[str, Result] = {}
@@ -65,10 +73,11 @@ async def examine(
                 expected = expected_devices(spec, host_root)
                 report(await check_plugin(plugin_dir, spec, expected, config.pre_start_check))
             else:
-                # Until kubelet has opened its own stream, the daemon would take
-                # the doctor's ListAndWatch for kubelet's.
+                # What the daemon lists matters only to a kubelet that answers.
                 report(skipped(f"plugin {spec.name}", "not checked until kubelet answers"))
     report(await check_readyz(config.metrics_bind_address))
+    if config.config:
+        report(await check_config(config.config, config.metrics_bind_address, config_problem))
 
 
 def main(argv: Sequence[str]) -> NoReturn:
@@ -77,14 +86,24 @@ def main(argv: Sequence[str]) -> NoReturn:
         print(flags.version_text(config.verbosity))
         sys.exit(0)
     klog.configure(config.verbosity)
-    specs = flags.resources(config, PROG)
+    specs: list[ResourceSpec] = []
+    config_problem = None
+    if config.config:
+        from pcc_plugin import profiles
+
+        try:
+            specs = profiles.load(config.config)
+        except profiles.ProfileError as exc:
+            config_problem = str(exc)
+    else:
+        specs = flags.resources(config, PROG)
     results: list[Result] = []
 
     def report(result: Result) -> None:
         results.append(result)
         print(result.line(), flush=True)
 
-    trio.run(examine, config, specs, report)
+    trio.run(examine, config, specs, report, config_problem)
     counts = collections.Counter(result.status for result in results)
     print(
         f"{counts['PASS']} passed, {counts['WARN']} warned, {counts['FAIL']} failed, "
