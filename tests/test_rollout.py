@@ -20,6 +20,21 @@ def instance(endpoint: str | None) -> str:
     return match.group(1)
 
 
+async def served_by(kubelet: SimKubelet, endpoint: str) -> None:
+    """Until kubelet uses the instance that served `endpoint`: its stream, all Healthy."""
+
+    def serves() -> bool:
+        active = kubelet.active_endpoint(RESOURCE)
+        return (
+            active is not None
+            and instance(active) == instance(endpoint)
+            and kubelet.stream_open(RESOURCE)
+            and kubelet.devices(RESOURCE) == HEALTHY_16
+        )
+
+    await run_blocking(kubelet.wait_for, serves, WAIT)
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("kubelet", ["current", "resource-keyed"], indirect=True)
 async def test_the_older_instance_serves_again_when_the_newest_goes(
@@ -39,17 +54,7 @@ async def test_the_older_instance_serves_again_when_the_newest_goes(
         else:
             assert await run_blocking(newest.terminate, signal.SIGTERM, WAIT) == 0
         await log_line(older, "the instance that registered after this one is gone")
-
-        def older_serves() -> bool:
-            endpoint = kubelet.active_endpoint(RESOURCE)
-            return (
-                endpoint is not None
-                and instance(endpoint) == instance(first)
-                and kubelet.stream_open(RESOURCE)
-                and kubelet.devices(RESOURCE) == HEALTHY_16
-            )
-
-        await run_blocking(kubelet.wait_for, older_serves, WAIT)
+        await served_by(kubelet, first)
         await serving(kubelet, registrations=3)
         response = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-4"]], WAIT)
         assert len(response.container_responses) == 1
@@ -70,17 +75,7 @@ async def test_a_rolling_update_hands_over_with_one_registration_each(
         second = await serving(kubelet, registrations=2)
         await log_line(old, "Following ")
         assert await run_blocking(old.terminate, signal.SIGTERM, WAIT) == 0
-
-        def new_serves() -> bool:
-            endpoint = kubelet.active_endpoint(RESOURCE)
-            return (
-                endpoint is not None
-                and instance(endpoint) == instance(second)
-                and kubelet.stream_open(RESOURCE)
-                and kubelet.devices(RESOURCE) == HEALTHY_16
-            )
-
-        await run_blocking(kubelet.wait_for, new_serves, WAIT)
+        await served_by(kubelet, second)
         response = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-5"]], WAIT)
         assert len(response.container_responses) == 1
     # Older kubelets drop the new instance when the old one's stream ends: it registers once
