@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
 import re
 import shutil
-import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nox
+
+# tools/images.py builds the image for each architecture (issue 12).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
+import images
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "typecheck", "tests"]
@@ -83,13 +87,6 @@ def lock(session: nox.Session) -> None:
 
 # Shipping: manifests, Containerfile, image (issues 3 and 7).
 
-IMAGE_ARCHES = ("x86_64", "aarch64", "ppc64le", "s390x")
-IMAGE_CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin"))
-BASE_SUITE = "bookworm"
-BASE_PACKAGES = "python3,python3-venv"
-DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-EXTRA_CAS = Path("/usr/local/share/ca-certificates")
-
 
 @nox.session
 def manifests(session: nox.Session) -> None:
@@ -111,7 +108,7 @@ def manifests(session: nox.Session) -> None:
     session.run("hadolint", "Containerfile")
     # The same exceptions to "wheels only" as the Containerfile's pip install makes.
     from_source = re.findall(r"--no-binary=(\S+)", (ROOT / "Containerfile").read_text())
-    for arch in IMAGE_ARCHES:
+    for arch in (a.machine for a in images.ARCHES.values()):
         session.log(f"{arch}-manylinux_2_28: wheels for every runtime dependency but {from_source}")
         session.run(
             _uv(), "pip", "compile", "--quiet", "--no-deps", "--only-binary", ":all:",
@@ -130,133 +127,76 @@ def _uv() -> str:
     return uv_bin
 
 
-def _podman_images() -> set[str]:
-    listing = subprocess.run(
-        ["podman", "images", "--all", "--quiet", "--no-trunc"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return set(listing.stdout.split())
-
-
-def _unmount_below(path: Path) -> None:
-    """Unmount whatever a failed debootstrap left mounted inside `path` (its /proc, /sys)."""
-    with open("/proc/self/mounts") as mounts:
-        targets = [line.split()[1] for line in mounts]
-    for target in sorted(targets, key=len, reverse=True):
-        if Path(target).is_relative_to(path):
-            subprocess.run(["umount", "--lazy", target], check=False)
-
-
-def local_base_image(session: nox.Session) -> str:
-    """Debian minbase with python3 and venv, imported into podman; cached on this machine.
-
-    The debootstrap tree is kept as a tarball in IMAGE_CACHE and the imported image in podman's
-    store, both keyed by the recipe. This machine's extra CA certificates go into the base, so
-    that pip inside `podman build` trusts what the host trusts (here a TLS-inspecting proxy);
-    the image never leaves the machine.
-    """
-    cas = sorted(EXTRA_CAS.glob("**/*.crt"))
-    digest = hashlib.sha256(f"v1 {BASE_SUITE} minbase {BASE_PACKAGES}".encode())
-    for ca in cas:
-        digest.update(ca.read_bytes())
-    key = f"{BASE_SUITE}-{digest.hexdigest()[:12]}"
-    ref = f"localhost/pcc-device-plugin-base:{key}"
-    if subprocess.run(["podman", "image", "exists", ref], check=False).returncode == 0:
-        session.log(f"base image {ref}: cached")
-        return ref
-    IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
-    tarball = IMAGE_CACHE / f"base-{key}.tar"
-    if not tarball.exists():
-        with tempfile.TemporaryDirectory(dir=IMAGE_CACHE) as tmp:
-            rootfs = Path(tmp) / "rootfs"
-            try:
-                session.run(
-                    "debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}",
-                    BASE_SUITE, str(rootfs), external=True, silent=True,
-                )  # fmt: skip
-                for ca in cas:
-                    shutil.copy(ca, rootfs / "usr/local/share/ca-certificates" / ca.name)
-                if cas:
-                    session.run(
-                        "chroot", str(rootfs), "update-ca-certificates", external=True, silent=True
-                    )
-                for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
-                    for entry in (rootfs / cache).glob("*"):
-                        if entry.is_file():
-                            entry.unlink()
-                partial = Path(tmp) / "base.tar"
-                session.run(
-                    "tar", "--numeric-owner", "--exclude=./dev/*", "--exclude=./proc/*",
-                    "--exclude=./sys/*", "-C", str(rootfs), "-cf", str(partial), ".",
-                    external=True,
-                )  # fmt: skip
-                os.replace(partial, tarball)
-            finally:
-                _unmount_below(rootfs)
-        for stale in IMAGE_CACHE.glob("base-*.tar"):
-            if stale != tarball:
-                stale.unlink()
-    session.run(
-        "podman",
-        "import",
-        "--change",
-        f"ENV PATH={DEBIAN_PATH}",
-        str(tarball),
-        ref,
-        external=True,
-        silent=True,
-    )
-    return ref
-
-
-@nox.session
-def image(session: nox.Session) -> None:
-    """Build the image from the Containerfile on a local Debian base, check it, start it.
-
-    Only BASE_IMAGE is overridden. tests/test_image.py checks the image's contents and starts
-    the plugin from its filesystem against the simulated kubelet. Every image this session
-    builds is removed at the end, failed or not; the base stays cached.
-    """
+def _image_tools_missing() -> str | None:
     missing = [
         tool
         for tool in ("podman", "debootstrap", "unshare", "chroot", "kubectl")
         if shutil.which(tool) is None
     ]
     if os.geteuid() != 0 or missing:
-        session.error(
-            "nox -s image needs root and podman, debootstrap, unshare, chroot, kubectl "
-            f"(.ci/run installs them); missing: {', '.join(missing) or 'root'}"
+        return (
+            "needs root and podman, debootstrap, unshare, chroot, kubectl (.ci/run installs "
+            f"them); missing: {', '.join(missing) or 'root'}"
         )
-    install_dev(session)
-    base = local_base_image(session)
-    tag = f"localhost/pcc-device-plugin:nox-{os.getpid()}"
-    before = _podman_images()
+    return None
+
+
+@nox.session
+def image(session: nox.Session) -> None:
+    """Build the image for each architecture, check it, start the plugin from it under emulation.
+
+    The Containerfile, once per architecture (PCC_IMAGE_ARCHES, comma-separated; all four by
+    default) on a local debootstrapped base of that architecture (cached, see tools/images.py).
+    tests/test_image.py checks each image's contents and architecture and starts the plugin from
+    its filesystem against the simulated kubelet. Leaves build/images/*.tar, the images and the
+    manifest list localhost/pcc-device-plugin:<version> in podman's store; removes the build's
+    intermediate images.
+    """
+    problem = _image_tools_missing()
+    if problem:
+        session.error(f"nox -s image {problem}")
     try:
-        session.run(
-            "podman", "build", "--isolation=chroot", "--pull=never",
-            "--build-arg", f"BASE_IMAGE={base}", "--tag", tag, "--file", "Containerfile", ".",
-            external=True,
-        )  # fmt: skip
-        for ref in (base, tag):
-            size = subprocess.run(
-                ["podman", "image", "inspect", "--format", "{{.Size}}", ref],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            session.log(f"image size: {ref}: {int(size) / 1e6:.0f} MB")
-        session.run(
-            "pytest",
-            "tests/test_image.py",
-            *session.posargs,
-            env={"PCC_IMAGE": tag, "PCC_REQUIRE_KUBECTL": "1"},
-        )
-    finally:
-        created = _podman_images() - before
-        if created:
-            subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)
+        arches = images.selected(os.environ.get("PCC_IMAGE_ARCHES"))
+    except ValueError as error:
+        session.error(f"PCC_IMAGE_ARCHES: {error}")
+    for arch in arches:
+        problem = images.emulation_problem(arch)
+        if problem:
+            session.error(f"nox -s image {problem} (.ci/run registers qemu-user-static's handlers)")
+    install_dev(session)
+    started = time.monotonic()
+    bases = images.base_images({images.NATIVE, *arches}, session.log)
+    session.log(f"bases ready after {time.monotonic() - started:.0f} s")
+    images.remove_manifest_list()
+    tags = {}
+    with images.removing_intermediates():
+        for arch in arches:
+            tags[arch] = images.build(arch, bases, session.run)
+            archive = images.save_archive(arch)
+            session.log(
+                f"image {arch.name}: {tags[arch]}, {images.size(tags[arch]) / 1e6:.0f} MB "
+                f"(base {images.size(bases[arch]) / 1e6:.0f} MB); "
+                f"{archive.relative_to(ROOT)} {archive.stat().st_size / 1e6:.0f} MB"
+            )
+    session.log(f"images built after {time.monotonic() - started:.0f} s")
+    name = images.publish_manifest_list(arches)
+    session.log(f"manifest list {name}: {', '.join(a.platform for a in arches)}")
+    report = ROOT / "build" / "image-starts.json"
+    report.unlink(missing_ok=True)
+    session.run(
+        "pytest",
+        "tests/test_image.py",
+        *session.posargs,
+        env={
+            "PCC_IMAGES": ",".join(f"{a.name}={t}" for a, t in tags.items()),
+            "PCC_IMAGE_REPORT": str(report),
+            "PCC_REQUIRE_KUBECTL": "1",
+        },
+    )
+    if report.exists():
+        for line in report.read_text().splitlines():
+            session.log(f"start -> registered: {line}")
+    session.log(f"nox -s image took {time.monotonic() - started:.0f} s")
 
 
 # Load and faults (issue 4).
