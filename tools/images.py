@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import shutil
@@ -264,9 +265,29 @@ def base_images(arches: Iterable[Arch], log: Log) -> dict[Arch, str]:
     this machine's extra CAs and its pip.conf; a tarball of another key for the same
     architecture is removed.
     """
-    arches = list(arches)
+    arches = sorted(set(arches), key=list(ARCHES.values()).index)
     CACHE.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(parents=True, exist_ok=True)
+    with _locked(CACHE / ".lock", log):
+        return _base_images(arches, log)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, log: Log) -> Iterator[None]:
+    """One builder of bases at a time on this machine; what a killed one left is removed."""
+    with path.open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another build of the bases ({path} is locked)")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        for leftover in path.parent.glob("tmp*"):
+            _unmount_below(leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+        yield
+
+
+def _base_images(arches: list[Arch], log: Log) -> dict[Arch, str]:
     keys = {arch: _base_key(arch) for arch in arches}
     refs = {arch: f"{BASE_NAME}:{keys[arch]}" for arch in arches}
     tarballs = {arch: CACHE / f"{keys[arch]}.tar" for arch in arches}
