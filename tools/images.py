@@ -379,13 +379,15 @@ def save_archive(arch: Arch) -> Path:
 
     The name inside is the manifests' image (``localhost/pcc-device-plugin:<version>``), as a
     node of that architecture has it after pulling the manifest list. The manifest list holds
-    that name in podman's store, so call this before publish_manifest_list.
+    that name in podman's store: a previous one is removed here, so call publish_manifest_list
+    after the last of these.
     """
     target = archive_path(arch)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".tar.partial")
     partial.unlink(missing_ok=True)
     name = manifest_list()
+    remove_manifest_list()
     subprocess.run(["podman", "tag", arch_tag(arch), name], check=True)
     try:
         subprocess.run(
