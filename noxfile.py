@@ -147,6 +147,10 @@ def _image_arches(session: nox.Session) -> list[images.Arch]:
         arches = images.selected(os.environ.get("PCC_IMAGE_ARCHES"))
     except ValueError as error:
         session.error(f"PCC_IMAGE_ARCHES: {error}")
+    if images.NATIVE is None:
+        session.error(
+            f"nox -s image builds on {', '.join(images.ARCHES)}, not {os.uname().machine}"
+        )
     for arch in arches:
         problem = images.emulation_problem(arch)
         if problem:
@@ -164,7 +168,9 @@ def image_bases(session: nox.Session) -> None:
     if problem:
         session.error(f"nox -s image_bases {problem}")
     started = time.monotonic()
-    images.base_images({images.NATIVE, *_image_arches(session)}, session.log)
+    arches = _image_arches(session)
+    assert images.NATIVE is not None
+    images.base_images([images.NATIVE, *arches], session.log)
     session.log(f"bases ready after {time.monotonic() - started:.0f} s")
 
 
@@ -185,11 +191,12 @@ def image(session: nox.Session) -> None:
     arches = _image_arches(session)
     install_dev(session)
     started = time.monotonic()
-    bases = images.base_images({images.NATIVE, *arches}, session.log)
+    assert images.NATIVE is not None
+    bases = images.base_images([images.NATIVE, *arches], session.log)
     session.log(f"bases ready after {time.monotonic() - started:.0f} s")
     images.remove_manifest_list()
     tags = {}
-    with images.removing_intermediates():
+    with images.removing_intermediates(arches):
         for arch in arches:
             tags[arch] = images.build(arch, bases, session.run)
             archive = images.save_archive(arch)

@@ -14,8 +14,8 @@ host; the entry point then runs under ``chroot --userspec`` as the image's user,
 the image's environment.
 
 What is checked inside the image (``test_nothing_but_the_plugin``): no compiler or build tool on
-the image's PATH (cc, gcc, g++, c++, clang, cpp, make, ld, as); no pip, setuptools or wheel in
-the plugin's virtual environment; no build stage leftovers (/src, /dist, /opt/build); no tests
+the image's PATH (cc, gcc, g++, c++, clang, cpp, make, ld, as); no pip, setuptools, wheel or uv
+in the plugin's virtual environment; no build stage leftovers (/src, /dist, /opt/build); no tests
 directory, no VCS data (.git) under /opt, no pip or uv cache, no wheel files outside the base's
 /usr/share/python-wheels, no apt package cache; and the simulated kubelet's dependencies (grpc,
 protobuf) not installed.
@@ -255,9 +255,10 @@ def test_nothing_but_the_plugin(config: Obj, rootfs: Path) -> None:
     ]
     assert not found, f"build tools in the image: {found}"
     (site,) = (rootfs / VENV.lstrip("/")).glob("lib/python3*/site-packages")
-    for package in ("pip", "setuptools", "wheel", "tests", "grpc", "google"):
+    for package in ("pip", "setuptools", "wheel", "uv", "tests", "grpc", "google"):
         assert not (site / package).exists(), package
-    assert not list((rootfs / VENV.lstrip("/") / "bin").glob("pip*"))
+    for tool in ("pip*", "uv*"):
+        assert not list((rootfs / VENV.lstrip("/") / "bin").glob(tool)), tool
     for leftover in ("src", "dist", "opt/build", "root/.cache"):
         assert not (rootfs / leftover).exists(), leftover
     assert not list((rootfs / "var/cache/apt/archives").glob("*.deb"))

@@ -78,7 +78,8 @@ ARCHES = {
         Arch("s390x", "s390x", "s390x", 22, "big"),
     )
 }
-NATIVE = next(a for a in ARCHES.values() if a.machine == os.uname().machine)
+# This machine's architecture (uname -m says arm64 on macOS), None if it is none of the four.
+NATIVE = next((a for a in ARCHES.values() if os.uname().machine in (a.machine, a.name)), None)
 
 
 def version() -> str:
@@ -124,6 +125,8 @@ def emulation_problem(arch: Arch) -> str | None:
     """
     if arch == NATIVE:
         return None
+    if NATIVE is None:
+        return f"cannot build on {os.uname().machine}: only on {', '.join(ARCHES)}"
     handler = BINFMT / f"qemu-{arch.machine}"
     if not (BINFMT / "status").exists():
         return f"cannot run {arch.name} programs: binfmt_misc is not mounted at {BINFMT}"
@@ -327,22 +330,25 @@ def _podman_images(*filters: str) -> set[str]:
         text=True,
         check=True,
     )
-    return set(listing.stdout.split())
+    return {image_id.removeprefix("sha256:") for image_id in listing.stdout.split()}
 
 
 @contextlib.contextmanager
-def removing_intermediates() -> Iterator[None]:
-    """Remove the untagged images (build stages, replaced images) that appear meanwhile.
+def removing_intermediates(arches: Iterable[Arch]) -> Iterator[None]:
+    """Remove the untagged images that the builds for `arches` leave: their build stages, and
+    the images of an earlier build whose tags (arch_tag) the new ones took.
 
-    Not forced: an image another build on this machine is using stays.
+    Not forced: an image that another build on this machine is using stays.
     """
     before = _podman_images()
+    earlier = {_image_id(arch_tag(a)) for a in arches if _exists(arch_tag(a))}
     try:
         yield
     finally:
-        created = _podman_images("--filter", "dangling=true") - before
-        if created:
-            subprocess.run(["podman", "rmi", *sorted(created)], capture_output=True, check=False)
+        dangling = _podman_images("--filter", "dangling=true")
+        leftovers = (dangling - before) | (dangling & earlier)
+        if leftovers:
+            subprocess.run(["podman", "rmi", *sorted(leftovers)], capture_output=True, check=False)
 
 
 def build(arch: Arch, bases: dict[Arch, str], run: Callable[..., object]) -> str:
@@ -353,6 +359,7 @@ def build(arch: Arch, bases: dict[Arch, str], run: Callable[..., object]) -> str
     platform to the second stage's lookup by name, and an ID is looked up as it is.
     """
     tag = arch_tag(arch)
+    assert NATIVE is not None, "emulation_problem() tells first"
     run(
         "podman", "build", "--isolation=chroot", "--pull=never", "--platform", arch.platform,
         "--build-arg", f"BUILD_BASE_IMAGE={_image_id(bases[NATIVE])}",
