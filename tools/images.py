@@ -301,10 +301,20 @@ def _base_images(arches: list[Arch], log: Log) -> dict[Arch, str]:
             futures = [pool.submit(_debootstrap, a, tarballs[a], log) for a in to_bootstrap]
             for future in futures:
                 future.result()
+    in_store = subprocess.run(
+        ["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", BASE_NAME],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for arch in arches:
+        # Bases of another key for this architecture (the recipe or this machine's CAs changed).
         for stale in CACHE.glob(f"{SUITE}-{arch.name}-*.tar"):
             if stale != tarballs[arch]:
                 stale.unlink()
+        for name in in_store:
+            if name.startswith(f"{BASE_NAME}:{SUITE}-{arch.name}-") and name != refs[arch]:
+                subprocess.run(["podman", "rmi", name], capture_output=True, check=False)
         if _exists(refs[arch]):
             log(f"base {arch.name}: {refs[arch]} (cached)")
             continue
