@@ -44,14 +44,14 @@ BASE_NAME = "localhost/pcc-device-plugin-base"
 SUITE = "bookworm"
 PACKAGES = "python3,python3-venv"
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# What this machine trusts and how it reaches the package index. Only the build stage, on this
-# machine's own architecture, downloads anything, but every base gets the same recipe, so that
-# a base can serve as the build stage's on a machine of its architecture.
+# What this machine trusts and how it reaches the package index: only for the base of this
+# machine's architecture, the build stage's, the one base whose Python downloads anything. The
+# foreign bases stay plain Debian (and update-ca-certificates is not run under emulation).
 EXTRA_CAS = Path("/usr/local/share/ca-certificates")
 PIP_CONF = Path("/etc/pip.conf")
 # uv (in the Containerfile's build stage) trusts the base's CA store, as Debian's pip does.
 UV_TOML = "system-certs = true\n"
-RECIPE = 2  # bump when the recipe below changes in a way the key cannot see
+RECIPE = 3  # bump when the recipe below changes in a way the key cannot see
 
 Log = Callable[[str], None]
 
@@ -168,13 +168,13 @@ def elf_arch(path: Path) -> Arch | None:
 
 
 def _base_key(arch: Arch) -> str:
-    digest = hashlib.sha256(
-        f"v{RECIPE} {SUITE} {arch.debian} minbase {PACKAGES} {UV_TOML!r}".encode()
-    )
-    for ca in _extra_cas():
-        digest.update(ca.name.encode() + b"\0" + ca.read_bytes())
-    if PIP_CONF.exists():
-        digest.update(b"pip.conf\0" + PIP_CONF.read_bytes())
+    digest = hashlib.sha256(f"v{RECIPE} {SUITE} {arch.debian} minbase {PACKAGES}".encode())
+    if arch == NATIVE:
+        digest.update(f"build stage's base {UV_TOML!r}".encode())
+        for ca in _extra_cas():
+            digest.update(ca.name.encode() + b"\0" + ca.read_bytes())
+        if PIP_CONF.exists():
+            digest.update(b"pip.conf\0" + PIP_CONF.read_bytes())
     return f"{SUITE}-{arch.name}-{digest.hexdigest()[:12]}"
 
 
@@ -233,15 +233,8 @@ def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
                 ],
                 log_file,
             )  # fmt: skip
-            cas = _extra_cas()
-            for ca in cas:
-                shutil.copy(ca, rootfs / "usr/local/share/ca-certificates" / ca.name)
-            if cas:
-                _run_logged(["chroot", str(rootfs), "update-ca-certificates"], log_file)
-            if PIP_CONF.exists():
-                shutil.copy(PIP_CONF, rootfs / "etc/pip.conf")
-            (rootfs / "etc/uv").mkdir(exist_ok=True)
-            (rootfs / "etc/uv/uv.toml").write_text(UV_TOML)
+            if arch == NATIVE:
+                _reach_the_index_as_this_machine(rootfs, log_file)
             for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
                 for entry in (rootfs / cache).glob("*"):
                     if entry.is_file():
@@ -260,13 +253,26 @@ def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
     log(f"base {arch.name}: debootstrap took {time.monotonic() - started:.0f} s")
 
 
+def _reach_the_index_as_this_machine(rootfs: Path, log_file: Path) -> None:
+    """This machine's extra CAs, its pip.conf, and uv told to trust the base's CA store."""
+    cas = _extra_cas()
+    for ca in cas:
+        shutil.copy(ca, rootfs / "usr/local/share/ca-certificates" / ca.name)
+    if cas:
+        _run_logged(["chroot", str(rootfs), "update-ca-certificates"], log_file)
+    if PIP_CONF.exists():
+        shutil.copy(PIP_CONF, rootfs / "etc/pip.conf")
+    (rootfs / "etc/uv").mkdir(exist_ok=True)
+    (rootfs / "etc/uv/uv.toml").write_text(UV_TOML)
+
+
 def base_images(arches: Iterable[Arch], log: Log) -> dict[Arch, str]:
     """A local Debian base per architecture, imported into podman; debootstrapped when missing.
 
     The debootstraps that are needed run at once (each is partly download, partly emulated
-    work). The tarball in CACHE and the image in podman's store are both keyed on the recipe,
-    this machine's extra CAs and its pip.conf; a tarball of another key for the same
-    architecture is removed.
+    work). The tarball in CACHE and the image in podman's store are both keyed on the recipe
+    (and for this machine's architecture on its extra CAs and pip.conf); those of another key
+    for the same architecture are removed.
     """
     arches = sorted(set(arches), key=list(ARCHES.values()).index)
     CACHE.mkdir(parents=True, exist_ok=True)
