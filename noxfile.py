@@ -226,6 +226,65 @@ def image(session: nox.Session) -> None:
     session.log(f"nox -s image took {time.monotonic() - started:.0f} s")
 
 
+def _image_inputs() -> list[Path]:
+    """What the Containerfile copies (see .containerignore), and the Containerfile itself."""
+    files = [ROOT / name for name in ("Containerfile", "pyproject.toml", "README.md")]
+    files.append(ROOT / "requirements" / "runtime.txt")
+    files += (
+        p for p in (ROOT / "pcc_plugin").rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
+    return files
+
+
+def native_image_archive(session: nox.Session) -> Path:
+    """The image for this machine's architecture as a docker-archive tarball.
+
+    Left by `nox -s image` (which CI runs first); built here the same way (tools/images.py)
+    when it is missing or older than what goes into the image.
+    """
+    native = images.NATIVE
+    if native is None:
+        session.error(f"no image for {os.uname().machine}: only for {', '.join(images.ARCHES)}")
+    archive = images.archive_path(native)
+    if archive.exists():
+        built = archive.stat().st_mtime
+        newer = [str(p.relative_to(ROOT)) for p in _image_inputs() if p.stat().st_mtime > built]
+        if not newer:
+            session.log(f"image archive: {archive.relative_to(ROOT)} (left by nox -s image)")
+            return archive
+        session.log(f"image archive is older than {', '.join(sorted(newer)[:3])}: rebuilding")
+    bases = images.base_images([native], session.log)
+    with images.removing_intermediates([native]):
+        images.build(native, bases, session.run)
+        images.save_archive(native)
+    session.log(
+        f"image archive: {archive.relative_to(ROOT)} ({archive.stat().st_size / 1e6:.0f} MB)"
+    )
+    return archive
+
+
+# A real kubelet (issue 13).
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """The image as static pods on a real kubelet and containerd; see docs/e2e.md.
+
+    Needs root, containerd, runc, Go, kubectl, and podman and debootstrap when the image archive
+    must be built (.ci/run installs them). Kubelet is built from source once per version into
+    the cache directory. Arguments go to `python -m e2e` (e.g. --keep-logs, --variant=plugin).
+    """
+    env = {"PYTHONPATH": str(ROOT / "tools")}
+    install_dev(session)
+    session.run("python", "-m", "e2e", "preflight", env=env)
+    session.run("python", "-m", "e2e.protos", "--check", env=env)
+    archive = native_image_archive(session)
+    session.run(
+        "python", "-m", "e2e", "--plugin-image", str(archive), *session.posargs,
+        env=env, interrupt_timeout=150,
+    )  # fmt: skip
+
+
 # Load and faults (issue 4).
 
 

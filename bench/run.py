@@ -35,7 +35,8 @@ import grpc
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.sim.kubelet import ALLOCATE, LIST_AND_WATCH, Registration
+from pcc_plugin.sim.rules import ALLOCATE, LIST_AND_WATCH
+from pcc_plugin.sim.state import Registration
 
 ROOT = Path(__file__).resolve().parent.parent
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
@@ -56,9 +57,9 @@ IMPORT_STEPS: tuple[tuple[str, str], ...] = (
     ("betterproto2", "betterproto2"),
     ("generated v1beta1 code", "pcc_plugin._proto.v1beta1"),
     ("asyncinotify (+ ctypes, ctypes.util)", "asyncinotify"),
-    ("rest of the daemon (pcc_plugin.supervisor)", "pcc_plugin.cli,pcc_plugin.supervisor"),
+    ("rest of the daemon (pcc_plugin.supervisor)", "pcc_plugin.main,pcc_plugin.supervisor"),
     ("prometheus_client (metrics on)", "prometheus_client"),
-    ("pcc_plugin.metrics", "pcc_plugin.metrics"),
+    ("pcc_plugin.http_server", "pcc_plugin.http_server"),
 )
 _REPORT_RSS = (
     "for _line in open('/proc/self/status'):\n"
@@ -251,7 +252,7 @@ def timed_allocates(method: Any, count: int) -> list[float]:
 # What-ifs: the daemon patched by a prelude run before its main(), to measure a change before
 # making it. Nothing here is what ships.
 
-RUN_DAEMON = "\nfrom pcc_plugin.cli import main\n\nmain()\n"
+RUN_DAEMON = "\nfrom pcc_plugin.main import main\n\nmain()\n"
 TRIM_ON_SIGUSR1 = """
 import ctypes, signal
 signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).malloc_trim(0))
@@ -292,8 +293,9 @@ def bytecode_env(cache: Path) -> dict[str, str]:
     env = {"PYTHONPYCACHEPREFIX": str(cache), "PYTHONDONTWRITEBYTECODE": ""}
     for flags in ([], ["-OO"]):
         subprocess.run(
-            [sys.executable, *flags, "-c", "import pcc_plugin.cli, pcc_plugin.supervisor, "
-             "pcc_plugin.metrics"], check=True, cwd=ROOT, env={**os.environ, **env}, timeout=WAIT,
+            [sys.executable, *flags, "-c", "import pcc_plugin.main, pcc_plugin.supervisor, "
+             "pcc_plugin.http_server"],
+            check=True, cwd=ROOT, env={**os.environ, **env}, timeout=WAIT,
         )  # fmt: skip
     return env
 

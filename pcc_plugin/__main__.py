@@ -1,3 +1,3 @@
-from pcc_plugin.cli import main
+from pcc_plugin.main import main
 
 main()

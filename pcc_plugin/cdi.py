@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pcc_plugin.resources import Device, ResourceSpec
+from pcc_plugin.resource import Device, ResourceSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import trio
 from asyncinotify import Mask
 
-from pcc_plugin.devices import DevicePlugin
-from pcc_plugin.resources import watched_paths
-from pcc_plugin.watch import nearest_existing_dir, next_events, open_inotify
+from pcc_plugin.fs import nearest_existing_dir
+from pcc_plugin.inotify import next_events, open_inotify
+from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.resource import watched_paths
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import Any
 
 V1 = logging.INFO - 5
 logging.addLevelName(V1, "V1")
@@ -45,3 +46,29 @@ def configure(verbosity: int) -> None:
     # HTTP/2 frame and header tracing is for debugging h2 itself, not the plugin.
     for name in ("h2", "hpack", "asyncio", "trio-asyncio"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class BurstLog:
+    """One line per burst of the same event, not one per occurrence.
+
+    A burst ends after `quiet` seconds without the event; the first line of
+    the next one says how many the previous burst held after its first line.
+    """
+
+    def __init__(self, logger: logging.Logger, level: int, quiet: float = 10.0) -> None:
+        self._logger = logger
+        self._level = level
+        self._quiet = quiet
+        self._last: float | None = None
+        self._suppressed = 0
+
+    def log(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if self._last is None or now - self._last > self._quiet:
+            if self._suppressed:
+                message += f" ({self._suppressed} more in the previous burst)"
+            self._logger.log(self._level, message, *args)
+            self._suppressed = 0
+        else:
+            self._suppressed += 1
+        self._last = now

@@ -28,8 +28,14 @@ from typing import Any, TypeVar
 
 import yaml
 
-from pcc_plugin.config import MAX_RESOURCE_COUNT, ConfigError, resource_name_problem
-from pcc_plugin.resources import DeviceNode, DeviceType, HostMount, ResourceSpec
+from pcc_plugin.resource import (
+    MAX_RESOURCE_COUNT,
+    DeviceNode,
+    DeviceType,
+    HostMount,
+    ResourceSpec,
+    resource_name_problem,
+)
 
 T = TypeVar("T")
 
@@ -38,6 +44,10 @@ _DEVICE_KEYS = {"hostPath", "containerPath", "permissions", "type"}
 _MOUNT_KEYS = {"hostPath", "containerPath", "readOnly"}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SOCKET_PREFIX = re.compile(r"[a-z0-9][a-z0-9.-]{0,19}")
+
+
+class ProfileError(ValueError):
+    """The file cannot be served; the message names the file, the key path and the problem."""
 
 
 class _Invalid(Exception):
@@ -145,16 +155,16 @@ def _resource(where: str, value: Any) -> ResourceSpec:
 
 
 def load(path: str) -> list[ResourceSpec]:
-    """Every resource in the file, or ConfigError naming the file, the key path and the problem."""
+    """Every resource in the file, or ProfileError naming the file, the key path and the problem."""
     try:
         with open(path, encoding="utf-8") as file:
             document = yaml.safe_load(file)
     except OSError as exc:
-        raise ConfigError(f"--config {path}: {exc.strerror}") from None
+        raise ProfileError(f"--config {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+        raise ProfileError(f"{path}: not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
     try:
         top = _mapping("(top level)", document, {"resources"}, {"resources"})
         specs = list(_list("resources", top["resources"], _resource))
@@ -168,5 +178,5 @@ def load(path: str) -> list[ResourceSpec]:
                 if value in values[:index]:
                     raise _Invalid(f"resources[{index}].{kind}", f"{value!r} is used twice")
     except _Invalid as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ProfileError(f"{path}: {exc}") from None
     return specs

@@ -18,6 +18,15 @@ class ResourceStats:
     kubelet_restarts: int = 0
     # Allocate answers by result: ok, invalid, unavailable.
     allocations: collections.Counter[str] = attrs.Factory(collections.Counter)
+    # Unexpected errors in gRPC handlers, by method.
+    handler_errors: collections.Counter[str] = attrs.Factory(collections.Counter)
+    # Generations served (sockets), and why the last one ended.
+    generation: int = 0
+    last_restart_reason: str = ""
+    # Why the socket cannot be served (a filesystem fault), while it cannot.
+    serving_problem: str | None = None
+    # How long the last generation that ended in a fault waited before the next.
+    restart_delay: float = 0.0
     healthy_devices: int = 0
     unhealthy_devices: int = 0
     streams_open: int = 0
@@ -27,6 +36,16 @@ class ResourceStats:
     kubelet_stream_open: bool = False
     # Why the resource is not ready, while it is not.
     waiting_for: str = "not registered with kubelet yet"
+
+    def counters(self) -> str:
+        registrations = dict(sorted(self.registrations.items()))
+        return (
+            f"registrations={registrations} kubelet_restarts={self.kubelet_restarts} "
+            f"allocations={dict(sorted(self.allocations.items()))} "
+            f"handler_errors={dict(sorted(self.handler_errors.items()))} "
+            f"devices={self.healthy_devices} healthy, {self.unhealthy_devices} unhealthy "
+            f"streams_open={self.streams_open}"
+        )
 
     def not_ready_reason(self) -> str | None:
         if not self.registered:

@@ -1,79 +1,63 @@
-"""The daemon's nursery tree. Every long-lived task starts here.
+"""The daemon's nursery tree: every long-lived task is started here, or by a task named here.
 
     run(config, specs)
-    └── asyncio loop for grpclib (bridge.asyncio_loop), one for the process
+    └── bridge.asyncio_loop: the one asyncio loop, for grpclib
         └── root nursery
-            ├── signals: the first SIGTERM/SIGINT cancels `work`; a second exits at once
-            └── work
-                ├── metrics.serve        /metrics, /livez, /readyz (when a bind address is set)
-                └── supervise_resource   one per resource; restarts it alone if it fails
-                    ├── watch_health     inotify on the device's and mounts' parent directories
-                    └── serve_kubelet    one generation after another:
-                        ├── wait_for_directory (until kubelet has created the socket dir)
-                        └── generation nursery; cancelling it is how the plugin restarts
-                            ├── watch_plugin_dir       kubelet.sock created, own socket/dir removed
-                            ├── bridge.serve           DevicePlugin on a socket with a fresh name
-                            ├── register_with_kubelet  only once serving; retries with backoff
-                            └── reregister_when_stream_ends
+            ├── handle_signals   SIGTERM/SIGINT cancel `stop`; a second one exits at once
+            └── stop scope
+                ├── http_server.serve      /metrics, /livez, /readyz (with a bind address)
+                └── supervise_resource     one per resource; restarts it alone if it fails
+                    ├── watch_health       inotify on the device's and mounts' parent dirs
+                    └── serve_kubelet      one generation after another:
+                        ├── wait_for_directory   until kubelet has created its directory
+                        └── generation nursery   cancelling it is how the plugin restarts
+                            ├── watch_plugin_dir       kubelet.sock created, own socket gone
+                            ├── grpc_server.serve      DevicePlugin on a fresh socket name
+                            ├── follow_newer_instances an older kubelet's rollout
+                            ├── register_with_kubelet  once serving; retries with backoff
+                            ├── reregister_when_stream_ends
+                            └── forget_faults_when_stable
 
 A generation ends only by cancellation, through `Restart`, which records why.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
+import contextlib
 import logging
 import os
-import random
-import secrets
 import signal
-import stat
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import attrs
 import trio
 
-from pcc_plugin import bridge
+from pcc_plugin import bridge, grpc_server
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.config import KUBELET_SOCKET, Config
-from pcc_plugin.devices import DeviceFeed, DevicePlugin
+from pcc_plugin.configuration import Configuration, file_digest, watch_config_file
+from pcc_plugin.errors import FatalError
+from pcc_plugin.flags import Flags
 from pcc_plugin.health import watch_health
+from pcc_plugin.inotify import wait_for_directory
 from pcc_plugin.klog import V1
-from pcc_plugin.resources import ResourceSpec
-from pcc_plugin.stats import ResourceStats
-from pcc_plugin.watch import (
-    FatalError,
-    connect_error,
-    is_socket,
-    wait_for_directory,
-    watch_plugin_dir,
+from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.plugin_dir import SocketNames, remove_stale_sockets, watch_plugin_dir
+from pcc_plugin.registration import (
+    API_VERSION,
+    STREAM_ENDED,
+    Backoff,
+    KubeletLink,
+    Reachability,
+    forget_faults_when_stable,
+    register_with_kubelet,
+    reregister_when_stream_ends,
 )
+from pcc_plugin.resource import ResourceSpec
+from pcc_plugin.rollout import follow_newer_instances
+from pcc_plugin.service import DevicePluginService
+from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
-
-API_VERSION = "v1beta1"
-# Kubelet dials back with a 10 s timeout inside Register; leave it room.
-REGISTER_TIMEOUT = 15.0
-
-Register = Callable[[Path, api.RegisterRequest, float], Awaitable[None]]
-
-
-@attrs.define
-class Backoff:
-    """Capped exponential backoff with jitter, so plugins do not retry in step."""
-
-    first: float = 0.02
-    cap: float = 5.0
-    rng: random.Random = attrs.Factory(random.Random)
-    attempt: int = 0
-
-    def next_delay(self) -> float:
-        ceiling = min(self.cap, self.first * 2.0**self.attempt)
-        self.attempt += 1
-        jitter: float = self.rng.uniform(0.5, 1.0)
-        return ceiling * jitter
 
 
 @attrs.define
@@ -89,204 +73,215 @@ class Restart:
         self.scope.cancel()
 
 
-@attrs.define
-class KubeletStream:
-    """Kubelet's ListAndWatch stream: the first one opened after Register was sent.
-
-    Kubelet learns the socket's name from Register and opens its stream right
-    after; other streams come from tools (doctor, benchmarks) that found the
-    socket in the directory, and their end means nothing.
-    """
-
-    stats: ResourceStats
-    ended: trio.Event = attrs.Factory(trio.Event)
-    register_sent: bool = False
-    claimed: bool = False
-
-    async def serve(self, feed: DeviceFeed, send: Callable[[bytes], Awaitable[None]]) -> None:
-        is_kubelet = self.register_sent and not self.claimed
-        self.claimed |= is_kubelet
-        log.log(V1, "ListAndWatch stream opened%s", " (kubelet's)" if is_kubelet else "")
-        self.stats.streams_open += 1
-        self.stats.kubelet_stream_open |= is_kubelet
-        try:
-            await feed.stream(send)
-        finally:
-            self.stats.streams_open -= 1
-            if is_kubelet:
-                self.stats.kubelet_stream_open = False
-                self.ended.set()
+async def run(config: Flags, specs: list[ResourceSpec]) -> None:
+    configuration = Configuration.from_flags(specs, config.config)
+    reloads, reload_requests = trio.open_memory_channel[str](1)
+    resources = Resources(config, configuration)
+    async with bridge.asyncio_loop(), trio.open_nursery() as root:
+        stop = trio.CancelScope()
+        await root.start(handle_signals, stop, reloads, resources)
+        with stop:
+            await serve(config, resources, reloads, reload_requests)
+        # Stopped: the signal handler has nothing left to guard.
+        root.cancel_scope.cancel()
+    log.info("Stopped")
 
 
-class SocketNames:
-    """Fresh socket names, `<prefix>-<pid>-<token>-<n>.sock`.
-
-    Pods of a DaemonSet often share a PID (1) across a rolling update; the
-    random token keeps two instances from ever choosing the same name.
-    """
-
-    def __init__(self, prefix: str) -> None:
-        self._stem = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
-        self._counter = itertools.count()
-
-    def __next__(self) -> str:
-        return f"{self._stem}-{next(self._counter)}.sock"
-
-
-def accepts_connections(path: Path) -> bool:
-    # Anything but a refusal or a vanished file: assume alive and keep it.
-    return not isinstance(connect_error(path), ConnectionRefusedError | FileNotFoundError)
-
-
-def remove_stale_sockets(plugin_dir: Path, spec: ResourceSpec, keep: str) -> None:
-    """Remove sockets of this resource's naming that nothing serves any more."""
-    for entry in os.scandir(plugin_dir):
-        if entry.name == keep or not spec.is_own_socket(entry.name):
-            continue
-        path = plugin_dir / entry.name
-        if not stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-            continue
-        if accepts_connections(path):
-            log.log(V1, "Leaving %s: another instance serves it", path)
-            continue
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        log.info("Removed stale socket %s", path)
-
-
-def socket_identity(path: Path) -> tuple[int, int, int] | None:
-    """Tells one kubelet.sock from the next, even if the kernel reuses the inode number."""
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return status.st_dev, status.st_ino, status.st_ctime_ns
-
-
-async def register_with_kubelet(
-    plugin_dir: Path,
-    request: api.RegisterRequest,
-    stats: ResourceStats,
-    cause: str,
-    stream: KubeletStream,
-    register: Register = bridge.register,
-    backoff: Backoff | None = None,
+async def handle_signals(
+    stop: trio.CancelScope,
+    reloads: trio.MemorySendChannel[str],
+    resources: Resources,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Register until kubelet accepts, logging each distinct failure once.
-
-    A registration with another kubelet.sock than the last one is counted as
-    a kubelet restart, whichever event (our socket deleted, kubelet.sock
-    created, the stream's end) made this generation start.
-    """
-    backoff = backoff or Backoff()
-    kubelet_socket = plugin_dir / KUBELET_SOCKET
-    reported: set[str] = set()
-    while True:
-        if not is_socket(kubelet_socket):
-            what = "is not a socket" if kubelet_socket.exists() else "does not exist"
-            stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
-            log.info("Waiting for kubelet: %s %s yet", kubelet_socket, what)
-            # The watcher restarts this generation when kubelet creates it.
-            await trio.sleep_forever()
-        log.log(V1, "Registering %s at %s with endpoint %s",
-                request.resource_name, kubelet_socket, request.endpoint)  # fmt: skip
-        kubelet = socket_identity(kubelet_socket)
-        stream.register_sent = True
-        try:
-            await register(kubelet_socket, request, REGISTER_TIMEOUT)
-        except bridge.RegisterFailed as exc:
-            stats.waiting_for = f"registration failed: {exc}"
-            if str(exc) not in reported:
-                reported.add(str(exc))
-                log.error("Registration with kubelet failed, retrying: %s", exc)
-            await trio.sleep(backoff.next_delay())
-            continue
-        log.info("Registered device plugin with Kubelet: resource %s, endpoint %s",
-                 request.resource_name, request.endpoint)  # fmt: skip
-        if stats.kubelet is not None and kubelet != stats.kubelet:
-            stats.kubelet_restarts += 1
-            cause = "kubelet restarted"
-        stats.kubelet = kubelet
-        stats.registered = True
-        stats.registrations[cause] += 1
-        return
+    """SIGTERM, SIGINT and SIGQUIT stop the daemon (a second one during shutdown exits now);
+    SIGHUP reloads the configuration; SIGUSR1 writes the task tree and the state to the log."""
+    stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+    with trio.open_signal_receiver(*stopping, signal.SIGHUP, signal.SIGUSR1) as signals:
+        task_status.started()
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                log.info("Received SIGHUP, reloading the configuration")
+                with contextlib.suppress(trio.WouldBlock):
+                    reloads.send_nowait("SIGHUP")
+            elif signum == signal.SIGUSR1:
+                for line in resources.describe():
+                    log.info("%s", line)
+            elif stop.cancel_called:
+                log.warning("Received %s again, exiting now", name)
+                os._exit(128 + signum)
+            else:
+                log.info("Received %s, shutting down", name)
+                stop.cancel()
 
 
-async def reregister_when_stream_ends(stream: KubeletStream, restart: Restart) -> None:
-    """Kubelet never redials: when its stream ends, registering again is our job."""
-    await stream.ended.wait()
-    delay = random.uniform(0.05, 0.25)
-    log.warning("kubelet's ListAndWatch stream ended; registering again in %d ms", delay * 1000)
-    await trio.sleep(delay)
-    restart("kubelet's ListAndWatch stream ended")
-
-
-async def serve_socket(
-    nursery: trio.Nursery, plugin: DevicePlugin, stream: KubeletStream, path: Path
+async def serve(
+    config: Flags,
+    resources: Resources,
+    reloads: trio.MemorySendChannel[str],
+    reload_requests: trio.MemoryReceiveChannel[str],
 ) -> None:
-    try:
-        await nursery.start(
-            bridge.serve, plugin, functools.partial(stream.serve, plugin.feed), path
+    async with trio.open_nursery() as nursery:
+        if config.metrics_bind_address:
+            # Imported only when wanted: it costs memory at every start.
+            from pcc_plugin import http_server
+
+            bound = await nursery.start(
+                http_server.serve, config.metrics_bind_address, resources.plugins,
+                resources.configuration,
+            )  # fmt: skip
+            for address, port in bound:
+                log.info("Serving /metrics, /livez and /readyz on %s port %d", address, port)
+        await nursery.start(resources.serve, reload_requests)
+        if config.config:
+            await nursery.start(watch_config_file, Path(config.config), reloads)
+
+
+class Resources:
+    """The resources being served, each in a cancel scope of its own, changed by reloads.
+
+    `plugins` is the live list /metrics and /readyz read.
+    """
+
+    def __init__(self, config: Flags, configuration: Configuration) -> None:
+        self.config = config
+        self.configuration = configuration
+        self.plugins: list[DevicePlugin] = []
+        self._running: dict[str, tuple[DevicePlugin, trio.CancelScope]] = {}
+        self._cdi_spec_dir = Path(config.cdi_spec_dir) if config.cdi else None
+
+    async def serve(
+        self,
+        reload_requests: trio.MemoryReceiveChannel[str],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve every resource; apply a new configuration on each reload request."""
+        async with trio.open_nursery() as nursery:
+            self._remove_departed_cdi_specs()
+            for spec in self.configuration.specs:
+                self._start(nursery, spec)
+            task_status.started()
+            async for reason in reload_requests:
+                self._reload(nursery, reason)
+
+    def _start(self, nursery: trio.Nursery, spec: ResourceSpec) -> None:
+        log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
+        plugin = DevicePlugin(
+            spec,
+            self.config.host_root,
+            ResourceStats(),
+            pre_start_check=self.config.pre_start_check,
+            cdi_spec_dir=self._cdi_spec_dir,
         )
-    except PermissionError:
-        raise FatalError(
-            f"cannot create {path}: permission denied; run the plugin as root "
-            "with --device-plugin-path mounted read-write"
-        ) from None
+        scope = trio.CancelScope()
+        self._running[spec.name] = (plugin, scope)
+        self.plugins.append(plugin)
+        nursery.start_soon(self._run, plugin, scope, name=f"supervise_resource {spec.name}")
 
-
-async def serve_generation(
-    plugin_dir: Path, plugin: DevicePlugin, endpoint: str, cause: str
-) -> str:
-    """Serve on a fresh socket and register, until something cancels; return why."""
-    request = api.RegisterRequest(
-        version=API_VERSION,
-        endpoint=endpoint,
-        resource_name=plugin.spec.name,
-        options=plugin.options(),
-    )
-    # serve_kubelet has marked the resource not registered before this generation.
-    plugin.stats.waiting_for = "registering with kubelet"
-    stream = KubeletStream(plugin.stats)
-    async with trio.open_nursery() as nursery:
-        restart = Restart(nursery.cancel_scope)
-        await nursery.start(watch_plugin_dir, plugin_dir, endpoint, restart)
+    async def _run(self, plugin: DevicePlugin, scope: trio.CancelScope) -> None:
         try:
-            remove_stale_sockets(plugin_dir, plugin.spec, keep=endpoint)
-            await serve_socket(nursery, plugin, stream, plugin_dir / endpoint)
-        except FileNotFoundError:
-            restart(f"{plugin_dir} disappeared")
-            return restart.reason or ""
-        nursery.start_soon(register_with_kubelet, plugin_dir, request, plugin.stats, cause, stream)
-        nursery.start_soon(reregister_when_stream_ends, stream, restart)
-    return restart.reason or "cancelled"
+            with scope:
+                await supervise_resource(self.config, plugin)
+        finally:
+            self.plugins.remove(plugin)
+
+    def _reload(self, nursery: trio.Nursery, reason: str) -> None:
+        configuration = self.configuration
+        if configuration.path is None:
+            log.info("Nothing to reload (%s): the resources come from flags, not --config",
+                     reason)  # fmt: skip
+            return
+        digest = file_digest(configuration.path)
+        if digest == configuration.digest:
+            configuration.last_reload_failed = False
+            log.log(V1, "Configuration unchanged (%s)", reason)
+            return
+        from pcc_plugin import profiles
+
+        try:
+            specs = profiles.load(str(configuration.path))
+        except profiles.ProfileError as exc:
+            configuration.last_reload_failed = True
+            log.error("Configuration not reloaded, the running one stays: %s", exc)
+            return
+        old = {spec.name: spec for spec in configuration.specs}
+        new = {spec.name: spec for spec in specs}
+        for name, spec in old.items():
+            if new.get(name) != spec:
+                log.info("Stopping %s: %s", name, "changed" if name in new else "removed")
+                self._running.pop(name)[1].cancel()
+        for name, spec in new.items():
+            if old.get(name) != spec:
+                self._start(nursery, spec)
+        configuration.specs = specs
+        configuration.digest = digest
+        configuration.generation += 1
+        configuration.last_reload_failed = False
+        self._remove_departed_cdi_specs()
+        unchanged = sorted(name for name in new if old.get(name) == new[name])
+        log.info("Configuration %d applied from %s (%s); unchanged, still serving: %s",
+                 configuration.generation, configuration.path, reason,
+                 ", ".join(unchanged) or "none")  # fmt: skip
+
+    def _remove_departed_cdi_specs(self) -> None:
+        if self._cdi_spec_dir is not None:
+            from pcc_plugin import cdi
+
+            names = {spec.name for spec in self.configuration.specs}
+            cdi.remove_departed_specs(self._cdi_spec_dir, names)
+
+    def describe(self) -> list[str]:
+        """The task tree and each resource's state, as SIGUSR1 writes them to the log."""
+        configuration = self.configuration
+        lines = [
+            f"Configuration {configuration.generation} from "
+            f"{configuration.path or 'flags'} (hash {configuration.digest}"
+            f"{', last reload failed' if configuration.last_reload_failed else ''})"
+        ]
+        for plugin in self.plugins:
+            stats = plugin.stats
+            lines.append(
+                f"Resource {plugin.spec.name}: registered={stats.registered} "
+                f"kubelet_stream_open={stats.kubelet_stream_open} "
+                f"generation={stats.generation} restart_delay={stats.restart_delay:.3f}s "
+                f"last_restart_reason={stats.last_restart_reason or '-'} "
+                f"not_ready={stats.not_ready_reason() or '-'}"
+            )
+            lines.append(f"  counters {plugin.spec.name}: {stats.counters()}")
+        lines.append("Task tree:")
+        lines.extend(task_tree())
+        return lines
 
 
-async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin) -> None:
-    names = SocketNames(plugin.spec.socket_prefix)
-    cause = "start"
-    while True:
-        plugin.stats.registered = False
-        plugin.stats.waiting_for = f"waiting for {plugin_dir} to be created"
-        await wait_for_directory(plugin_dir)
-        cause = await serve_generation(plugin_dir, plugin, next(names), cause)
-        log.log(V1, "Restarting the device plugin server: %s", cause)
+def task_tree() -> list[str]:
+    """Every trio task, indented under the task whose nursery runs it."""
+    lines: list[str] = []
+
+    def walk(task: trio.lowlevel.Task, depth: int) -> None:
+        lines.append(f"{'  ' * depth}{task.name}")
+        for nursery in task.child_nurseries:
+            for child in sorted(nursery.child_tasks, key=lambda each: each.name):
+                walk(child, depth + 1)
+
+    root = trio.lowlevel.current_root_task()
+    if root is not None:
+        walk(root, 1)
+    return lines
 
 
-async def serve_resource(config: Config, plugin: DevicePlugin) -> None:
-    async with trio.open_nursery() as nursery:
-        await nursery.start(watch_health, plugin, config.host_root)
-        nursery.start_soon(serve_kubelet, Path(config.device_plugin_path), plugin)
+async def supervise_resource(config: Flags, plugin: DevicePlugin) -> None:
+    """Serve one resource; if it fails, restart it alone so the others keep serving.
 
-
-async def supervise_resource(config: Config, plugin: DevicePlugin) -> None:
-    """Serve one resource; if it fails, restart it alone so the others keep serving."""
+    Only a bug gets here (faults of the node are handled where they happen):
+    it is logged with its traceback. The backoff forgets once the resource
+    has served kubelet for a while (`registration.STABLE_AFTER`).
+    """
     backoff = Backoff(first=1.0, cap=60.0)
     while True:
         try:
-            await serve_resource(config, plugin)
+            await serve_resource(config, plugin, backoff)
         except Exception as exc:
             fatal, _ = exc.split(FatalError) if isinstance(exc, ExceptionGroup) else (None, None)
             if fatal is not None or isinstance(exc, FatalError):
@@ -296,49 +291,99 @@ async def supervise_resource(config: Config, plugin: DevicePlugin) -> None:
             await trio.sleep(delay)
 
 
-async def run(config: Config, specs: list[ResourceSpec]) -> None:
-    cdi_spec_dir = Path(config.cdi_spec_dir) if config.cdi else None
-    if cdi_spec_dir is not None:
-        from pcc_plugin import cdi
+async def serve_resource(config: Flags, plugin: DevicePlugin, backoff: Backoff) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch_health, plugin, config.host_root)
+        nursery.start_soon(serve_kubelet, Path(config.device_plugin_path), plugin, backoff)
 
-        cdi.remove_departed_specs(cdi_spec_dir, {spec.name for spec in specs})
-    plugins = [
-        DevicePlugin(
-            spec,
-            config.host_root,
-            ResourceStats(),
-            pre_start_check=config.pre_start_check,
-            cdi_spec_dir=cdi_spec_dir,
+
+@attrs.frozen
+class Ending:
+    """Why a generation ended; after a fault the next one may have to wait."""
+
+    reason: str
+    fault: bool = False
+
+
+async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin, resource_backoff: Backoff) -> None:
+    """One generation after another. Faults back to back wait, an isolated one does not."""
+    names = SocketNames(plugin.spec.socket_prefix)
+    restarts = Backoff(first=0.02, cap=5.0, immediate_first=True)
+    reachability = Reachability()
+    cause = "start"
+    while True:
+        plugin.stats.registered = False
+        plugin.stats.waiting_for = f"waiting for {plugin_dir} to be created"
+        await wait_for_directory(plugin_dir)
+        plugin.stats.generation += 1
+        ending = await serve_generation(
+            plugin_dir, plugin, next(names), names.stem, cause, reachability,
+            (restarts, resource_backoff),
+        )  # fmt: skip
+        plugin.stats.last_restart_reason = ending.reason
+        log.log(V1, "Restarting the device plugin server: %s", ending.reason)
+        cause = ending.reason
+        if ending.fault:
+            plugin.stats.restart_delay = restarts.next_delay()
+            await trio.sleep(plugin.stats.restart_delay)
+
+
+async def serve_generation(
+    plugin_dir: Path,
+    plugin: DevicePlugin,
+    endpoint: str,
+    stem: str,
+    cause: str,
+    reachability: Reachability,
+    backoffs: tuple[Backoff, ...],
+) -> Ending:
+    """Serve on a fresh socket and register, until something cancels; say why it ended."""
+    request = api.RegisterRequest(
+        version=API_VERSION,
+        endpoint=endpoint,
+        resource_name=plugin.spec.name,
+        options=plugin.options(),
+    )
+    # serve_kubelet has marked the resource not registered before this generation.
+    plugin.stats.waiting_for = "registering with kubelet"
+    link = KubeletLink(plugin.stats)
+    service = DevicePluginService(plugin, link)
+    server = grpc_server.Server(service.methods(), service.on_error, link.connection_closed)
+    path = plugin_dir / endpoint
+    async with trio.open_nursery() as nursery:
+        restart = Restart(nursery.cancel_scope)
+        try:
+            remove_stale_sockets(plugin_dir, plugin.spec.socket_prefix, keep=endpoint)
+            listener, own = grpc_server.bind(path)
+        except OSError as exc:
+            return serving_failed(plugin, path, exc)
+        # grpc_server.serve owns the listener from here, and closes it however it ends.
+        await nursery.start(grpc_server.serve, server, listener, path, own)
+        await nursery.start(watch_plugin_dir, plugin_dir, endpoint, own, restart)
+        if plugin.stats.serving_problem is not None:
+            log.info("Serving in %s again, after: %s", plugin_dir, plugin.stats.serving_problem)
+            plugin.stats.serving_problem = None
+        await nursery.start(
+            follow_newer_instances, plugin_dir, plugin.spec.socket_prefix, stem, link, restart
         )
-        for spec in specs
-    ]
-    for spec in specs:
-        log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
-    async with bridge.asyncio_loop():
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as root:
-                work = trio.CancelScope()
+        nursery.start_soon(
+            register_with_kubelet, plugin_dir, request, plugin.stats, cause, link, reachability
+        )
+        nursery.start_soon(reregister_when_stream_ends, plugin_dir, link, restart)
+        nursery.start_soon(forget_faults_when_stable, link, *backoffs)
+    reason = restart.reason or "cancelled"
+    return Ending(reason, fault=reason == STREAM_ENDED)
 
-                async def serve_until_stopped() -> None:
-                    with work:
-                        async with trio.open_nursery() as nursery:
-                            if config.metrics_bind_address:
-                                # Imported only when wanted: it costs memory at every start.
-                                from pcc_plugin import metrics
 
-                                await nursery.start(
-                                    metrics.serve, config.metrics_bind_address, plugins
-                                )
-                            for plugin in plugins:
-                                nursery.start_soon(supervise_resource, config, plugin)
-                    root.cancel_scope.cancel()
-
-                root.start_soon(serve_until_stopped)
-                async for signum in signals:
-                    name = signal.Signals(signum).name
-                    if work.cancel_called:
-                        log.warning("Received %s again, exiting now", name)
-                        os._exit(128 + signum)
-                    log.info("Received %s, shutting down", name)
-                    work.cancel()
-    log.info("Stopped")
+def serving_failed(plugin: DevicePlugin, path: Path, error: OSError) -> Ending:
+    """One line per distinct problem, however often it is retried."""
+    if isinstance(error, FileNotFoundError | NotADirectoryError) and not path.parent.is_dir():
+        return Ending(f"{path.parent} disappeared")
+    # The directory, not the socket's name: each retry has a fresh name, and the
+    # same problem is said once.
+    problem = f"cannot serve in {path.parent}: [Errno {error.errno}] {error.strerror}"
+    if plugin.stats.serving_problem != problem:
+        plugin.stats.serving_problem = problem
+        log.error("%s; retrying", problem)
+    plugin.stats.waiting_for = problem
+    return Ending(problem, fault=True)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -91,9 +91,11 @@ def start_daemon(fake_node: FakeNode) -> Iterator[StartDaemon]:
     log_numbers = itertools.count()
     with contextlib.ExitStack() as cleanup:
 
-        def start(*args: str, env: Mapping[str, str] | None = None) -> Daemon:
+        def start(
+            *args: str, env: Mapping[str, str] | None = None, wrapper: Sequence[str] = ()
+        ) -> Daemon:
             log_path = fake_node.root / f"daemon-{next(log_numbers)}.log"
-            daemon = Daemon.spawn_plugin(args, log_path, env)
+            daemon = Daemon.spawn_plugin(args, log_path, env, wrapper)
             # Last in, first out: the log is printed once the process group is gone.
             cleanup.callback(print_log, daemon)
             cleanup.callback(daemon.close)

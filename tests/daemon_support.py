@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pcc_plugin.sim import Daemon, Registration, SimKubelet, run_blocking
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
@@ -19,14 +21,15 @@ async def serving(
     devices: dict[str, str] = HEALTHY_16,
     resource: str = RESOURCE,
 ) -> str:
-    """Wait for `registrations` accepted ones and the full list on a live stream; the endpoint.
+    """Wait for `registrations` accepted ones of `resource` and its full list on a live stream;
+    return the endpoint.
 
     Kubelet marks every device Unhealthy when its stream ends or it stops, so a Healthy list
     here is a list sent on the newest stream.
     """
 
     def ready() -> bool:
-        registered = accepted(kubelet)
+        registered = [r for r in accepted(kubelet) if r.resource_name == resource]
         return (
             len(registered) >= registrations
             # A legacy kubelet keeps using the previous plugin until it has dialled the new one.
@@ -36,8 +39,13 @@ async def serving(
         )
 
     await run_blocking(kubelet.wait_for, ready, WAIT)
-    return accepted(kubelet)[-1].endpoint
+    return [r for r in accepted(kubelet) if r.resource_name == resource][-1].endpoint
 
 
-async def log_line(daemon: Daemon, text: str, count: int = 1) -> str:
+# Kubelet went away leaving kubelet.sock behind: the daemon waits for it, or (if it saw the
+# socket replaced first) retries Register against it; either way quietly (at --v=1).
+KUBELET_GONE = re.compile("takes no connections|Kubelet is not reachable yet")
+
+
+async def log_line(daemon: Daemon, text: str | re.Pattern[str], count: int = 1) -> str:
     return await run_blocking(daemon.wait_for_log, text, WAIT, count=count)

@@ -12,13 +12,14 @@ import functools
 import os
 import shutil
 import subprocess
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
+
+import pcc_plugin
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
@@ -41,7 +42,7 @@ HOST_ROOT = "/host"
 DEVICE = "/dev/sev-guest"
 PCC_DIR = "/var/run/pcc"
 DEFAULT_IMAGE = "localhost/pcc-device-plugin"
-# The daemon's defaults for --metrics-bind-address and --cdi-spec-dir (pcc_plugin/cli.py).
+# The daemon's defaults for --metrics-bind-address and --cdi-spec-dir (pcc_plugin/flags.py).
 METRICS_BIND_ADDRESS = ":8080"
 CDI_SPEC_DIR = "/var/run/cdi"
 
@@ -105,9 +106,7 @@ def custom_resource_schema(obj: Obj) -> Obj | None:
 
 
 def project_version() -> str:
-    with (ROOT / "pyproject.toml").open("rb") as file:
-        version: str = tomllib.load(file)["project"]["version"]
-    return version
+    return pcc_plugin.__version__
 
 
 def kustomizations() -> list[str]:

@@ -12,10 +12,9 @@ import jsonschema
 import pytest
 
 from pcc_plugin import cdi
-from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.config import Config
-from pcc_plugin.devices import DevicePlugin
-from pcc_plugin.resources import DeviceNode, ResourceSpec, pcc_resource
+from pcc_plugin.flags import Flags
+from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.resource import DeviceNode, ResourceSpec
 from pcc_plugin.stats import ResourceStats
 
 # The parts of CDI spec 0.6.0 this plugin writes, from the specification's text:
@@ -85,7 +84,7 @@ CDI_0_6_SCHEMA: dict[str, Any] = {
 
 def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     cdi_dir = tmp_path / "cdi"
-    plugin = DevicePlugin(pcc_resource(Config()), str(host), ResourceStats(), cdi_spec_dir=cdi_dir)
+    plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=cdi_dir)
     path = cdi_dir / "tke.cloud.tencent.com-pcc-device.json"
     spec = json.loads(path.read_text())
     jsonschema.validate(spec, CDI_0_6_SCHEMA)
@@ -117,17 +116,10 @@ def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     }
     assert path.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in cdi_dir.iterdir()] == [path.name]  # no temporary file left
-    response = plugin.allocate(
-        api.AllocateRequest(
-            container_requests=[api.ContainerAllocateRequest(devices_ids=["pcc-0", "pcc-1"])]
-        )
-    )
-    (container,) = response.container_responses
-    assert [device.name for device in container.cdi_devices] == [
-        "tke.cloud.tencent.com/pcc-device=pcc"
-    ]
+    (container,) = plugin.allocate([["pcc-0", "pcc-1"]])
+    assert container.cdi_devices == ("tke.cloud.tencent.com/pcc-device=pcc",)
     # Runtimes without CDI still get the device and the mount.
-    assert [d.host_path for d in container.devices] == ["/dev/sev-guest"]
+    assert [d.host_path for d in container.device_nodes] == ["/dev/sev-guest"]
     assert [m.host_path for m in container.mounts] == ["/var/run/pcc"]
 
 
@@ -152,14 +144,7 @@ def test_globbed_devices_get_a_cdi_device_each_and_gone_ones_leave_the_spec(
     (host / "dev" / "dm-0").unlink()
     plugin.refresh()
     assert [d["name"] for d in json.loads(path.read_text())["devices"]] == ["dm-1"]
-    response = plugin.allocate(
-        api.AllocateRequest(
-            container_requests=[api.ContainerAllocateRequest(devices_ids=["dm-1-0"])]
-        )
-    )
-    assert [d.name for d in response.container_responses[0].cdi_devices] == [
-        "power.example.com/block=dm-1"
-    ]
+    assert plugin.allocate([["dm-1-0"]])[0].cdi_devices == ("power.example.com/block=dm-1",)
 
 
 def test_only_own_specs_of_departed_resources_are_removed(tmp_path: Path) -> None:
@@ -181,12 +166,9 @@ def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
 ) -> None:
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
-    plugin = DevicePlugin(pcc_resource(Config()), str(host), ResourceStats(), cdi_spec_dir=blocked)
+    plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=blocked)
     assert any("Cannot write CDI spec" in message for message in caplog.messages)
-    request = api.AllocateRequest(
-        container_requests=[api.ContainerAllocateRequest(devices_ids=["pcc-0"])]
-    )
-    assert plugin.allocate(request).container_responses[0].devices
+    assert plugin.allocate([["pcc-0"]])[0].device_nodes
 
 
 def test_kind_and_names_follow_cdi_rules() -> None:

@@ -8,13 +8,15 @@ import shutil
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import trio
 from daemon_support import HEALTHY_16, RESOURCE, log_line, serving
 
-from pcc_plugin.sim import FakeNode, SimKubelet, StartDaemon, run_blocking
+from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
+from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
 ENDPOINT = re.compile(r"pcc-\d+-[0-9a-f]{6}-\d+\.sock")
 
@@ -76,7 +78,7 @@ async def test_allocate_one_and_several_container_requests(
         (b"\x0a\x00", "container request 0 names no device IDs"),
         (b"\x0a\x07\x0a\x05gpu-0", "unknown device IDs 'gpu-0'"),
         (b"\x0a\x05\x0a\x03\xff\xfe\xfd", "cannot decode AllocateRequest"),
-        (b"\x08\x01", "cannot decode AllocateRequest: field container_requests holds int"),
+        (b"\x08\x01", "cannot decode AllocateRequest: field container_requests is sent as varint"),
         (b"\x0a", "cannot decode AllocateRequest"),
     ],
 )
@@ -270,3 +272,42 @@ async def test_a_second_signal_forces_the_exit(
 
 def test_fake_node_paths_fit_in_a_unix_socket(fake_node: FakeNode) -> None:
     assert len(str(Path(fake_node.plugin_dir) / "pcc-4194304-abcdef-999.sock")) < 107
+
+
+async def test_a_tool_stream_opened_during_register_is_not_taken_for_kubelets(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    """Kubelet's stream is the one on the connection that read the options inside Register."""
+    tool: list[tuple[grpc.Channel, Any]] = []
+
+    def open_tool_stream(socket_path: Path) -> None:
+        channel = grpc.insecure_channel(f"unix:{socket_path}")
+        stream = channel.unary_stream(
+            "/v1beta1.DevicePlugin/ListAndWatch",
+            request_serializer=pb.Empty.SerializeToString,
+            response_deserializer=pb.ListAndWatchResponse.FromString,
+        )(pb.Empty(), timeout=30)
+        next(stream)  # open and answered, before kubelet dials back
+        tool.append((channel, stream))
+
+    kubelet.before_dial = open_tool_stream
+    with trio.fail_after(30):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1))
+        await serving(kubelet)
+        kubelet.before_dial = None
+        ((channel, stream),) = tool
+        opened = [line for line in daemon.log_text().splitlines() if "stream opened on" in line]
+        assert len(opened) == 2
+        assert "(kubelet's)" not in opened[0]
+        assert opened[1].endswith("(kubelet's)")
+        # The tool hangs up: nothing happens. Kubelet drops its stream: the plugin registers.
+        stream.cancel()
+        channel.close()
+        await run_blocking(kubelet.drop_stream, RESOURCE)
+        await serving(kubelet, registrations=2)
+    assert kubelet.register_calls == 2
+    assert len(lines_containing(daemon, "stream ended; registering again")) == 1
+
+
+def lines_containing(daemon: Daemon, text: str) -> list[str]:
+    return [line for line in daemon.log_text().splitlines() if text in line]

@@ -22,8 +22,9 @@ from typing import Any
 import grpc
 import pytest
 import trio
-from daemon_support import HEALTHY_16, RESOURCE, WAIT, log_line, serving
+from daemon_support import HEALTHY_16, KUBELET_GONE, RESOURCE, WAIT, log_line, serving
 
+from pcc_plugin.service import MAX_CONTAINER_REQUESTS
 from pcc_plugin.sim import (
     Daemon,
     FakeNode,
@@ -33,8 +34,10 @@ from pcc_plugin.sim import (
     run_blocking,
 )
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.sim.kubelet import ALLOCATE, LIST_AND_WATCH
+from pcc_plugin.sim.rules import ALLOCATE, LIST_AND_WATCH
 
+SHARES = MAX_CONTAINER_REQUESTS
+HEALTHY_SHARES = {f"pcc-{index}": "Healthy" for index in range(SHARES)}
 OWN_SOCKET = re.compile(r"pcc-(\d+-[0-9a-f]{6})-\d+\.sock")
 # How a call in flight may end when its peer goes away: answered first, or cut off.
 CUT_OFF_OR_ANSWERED = (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
@@ -73,7 +76,8 @@ def stream_ended(kubelet: SimKubelet, endpoint: str) -> bool:
 def assert_no_traceback(daemon: Daemon) -> None:
     text = daemon.log_text()
     assert "Traceback" not in text
-    assert "Application error" not in text
+    # Logged at every verbosity, with a traceback, when a handler or connection meets a bug.
+    assert "failed unexpectedly" not in text
 
 
 async def allocate_outcome(kubelet: SimKubelet, requests: list[list[str]]) -> grpc.StatusCode:
@@ -132,31 +136,31 @@ async def test_kubelet_dies_while_a_device_list_is_on_its_way(
     """Kubelet is killed mid-ListAndWatch, as the daemon encodes and sends a changed list."""
     all_healthy = {f"pcc-{index}": "Healthy" for index in range(1000)}
     with trio.fail_after(30):
-        daemon = start_daemon(*fake_node.daemon_args(verbosity=0), "--resource-count=1000")
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1), "--resource-count=1000")
         await serving(kubelet, devices=all_healthy)
         fake_node.device.unlink()
         await run_blocking(kubelet.crash)
         fake_node.device.symlink_to("/dev/null")
-        # It registers again, finds nobody behind kubelet.sock, and says so while it retries.
-        line = await log_line(daemon, "Registration with kubelet failed, retrying: cannot reach")
+        # Nobody behind kubelet.sock: it waits for kubelet to come back, or retries quietly.
+        line = await log_line(daemon, KUBELET_GONE)
         assert str(kubelet.socket_path) in line
         # It leaves kubelet's files alone.
         assert kubelet.socket_path.is_socket()
         await run_blocking(kubelet.start)
         await serving(kubelet, registrations=2, devices=all_healthy)
-    # Once per generation at most, not once per retry.
-    assert len(lines_with(daemon, "cannot reach")) <= 2
+    # A kubelet restart is routine: no error line.
+    assert not [line for line in daemon.log_text().splitlines() if line.startswith("E")]
     assert_no_traceback(daemon)
 
 
 async def test_kubelet_dies_mid_allocate(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
-    # Thousands of container requests keep the daemon busy long enough to be caught mid-call.
-    many = [["pcc-0"]] * 2000
+    # As many container requests as a call may have, to catch the daemon mid-call.
+    many = [["pcc-0"]] * MAX_CONTAINER_REQUESTS
     with trio.fail_after(30):
-        daemon = start_daemon(*fake_node.daemon_args(verbosity=1))
-        await serving(kubelet)
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1), f"--resource-count={SHARES}")
+        await serving(kubelet, devices=HEALTHY_SHARES)
         outcomes: list[grpc.StatusCode] = []
 
         async def allocate_many() -> None:
@@ -170,7 +174,7 @@ async def test_kubelet_dies_mid_allocate(
         # However far the answer got, the call ended rather than hung.
         assert outcomes[0] in CUT_OFF_OR_ANSWERED
         await run_blocking(kubelet.start)
-        await serving(kubelet, registrations=2)
+        await serving(kubelet, registrations=2, devices=HEALTHY_SHARES)
         assert await allocate_outcome(kubelet, [["pcc-3"]]) == grpc.StatusCode.OK
     assert_no_traceback(daemon)
 
@@ -384,12 +388,13 @@ async def test_sigterm_during_allocate(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
     with trio.fail_after(30):
-        daemon = start_daemon(*fake_node.daemon_args(verbosity=1))
-        endpoint = await serving(kubelet)
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1), f"--resource-count={SHARES}")
+        endpoint = await serving(kubelet, devices=HEALTHY_SHARES)
         outcomes: list[grpc.StatusCode] = []
 
         async def allocate_many() -> None:
-            outcomes.append(await allocate_outcome(kubelet, [["pcc-0"]] * 2000))
+            many = [["pcc-0"]] * MAX_CONTAINER_REQUESTS
+            outcomes.append(await allocate_outcome(kubelet, many))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(allocate_many)
@@ -407,7 +412,7 @@ async def test_sigterm_during_a_restart(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon, moment: str
 ) -> None:
     with trio.fail_after(30):
-        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1))
         await serving(kubelet)
         if moment == "kubelet stopped":
             await run_blocking(kubelet.stop)
@@ -417,9 +422,9 @@ async def test_sigterm_during_a_restart(
             # the restart and registering again.
             await run_blocking(kubelet.restart)
         else:
-            # Retrying Register against a dead socket, in a backoff sleep.
+            # Waiting for kubelet to come back to its dead socket.
             await run_blocking(kubelet.crash)
-            await log_line(daemon, "cannot reach")
+            await log_line(daemon, KUBELET_GONE)
         assert await run_blocking(daemon.terminate, signal.SIGTERM, WAIT) == 0
     assert own_sockets(fake_node) == set()
     assert daemon.log_text().rstrip().endswith("Stopped")

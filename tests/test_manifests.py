@@ -53,9 +53,10 @@ from manifests_support import (
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from pcc_plugin.cli import parse_config
+from pcc_plugin import main
+from pcc_plugin.flags import parse
 from pcc_plugin.profiles import load
-from pcc_plugin.resources import ResourceSpec, pcc_resource
+from pcc_plugin.resource import ResourceSpec
 
 # Every kustomization, by what it deploys. A new one must be added here, so that the invariants
 # below apply to it.
@@ -489,8 +490,9 @@ def test_shipped_profile_is_the_pcc_profile() -> None:
     """As shipped, the profiles overlay serves what the base serves from its flags."""
     shipped = load(str(PROFILE_FILE))
     assert shipped == load(str(PCC_EXAMPLE))
-    base_config = parse_config(plugin_container(daemonset("manifests/base"))["args"])
-    assert shipped == [as_flag_profile(pcc_resource(base_config))]
+    args = plugin_container(daemonset("manifests/base"))["args"]
+    base_config, _ = parse(args, "pcc-device-plugin", main.DESCRIPTION, main.EPILOG)
+    assert shipped == [as_flag_profile(base_config.pcc_resource())]
     (spec,) = shipped
     assert spec.name == RESOURCE
     assert [node.host_path for node in spec.device_nodes] == [DEVICE]
@@ -894,10 +896,10 @@ def test_docs_state_the_probe_settings() -> None:
 
 def test_docs_quote_the_plugins_own_words() -> None:
     """Log lines and /readyz answers that docs/deploy.md quotes come from the plugin's source."""
-    source = "\n".join(path.read_text() for path in sorted((ROOT / "pcc_plugin").glob("*.py")))
+    source = "\n".join(path.read_text() for path in sorted((ROOT / "pcc_plugin").glob("**/*.py")))
     text = docs_text()
     for words in (
-        "kubelet's ListAndWatch stream ended; registering again in",
+        "kubelet's ListAndWatch stream ended; registering again",
         "another instance serves it",
         "registered, but kubelet's ListAndWatch stream is not open",
         "every device is Unhealthy: ",

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from pcc_plugin.config import ConfigError
-from pcc_plugin.profiles import load
-from pcc_plugin.resources import DeviceNode, HostMount, ResourceSpec
+from pcc_plugin.profiles import ProfileError, load
+from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
 from pcc_plugin.sim import FakeNode, SimKubelet, StartDaemon, run_blocking
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +143,7 @@ def test_defaults_and_derived_prefix(tmp_path: Path) -> None:
 )
 def test_bad_files_are_one_line_with_the_key_path(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path, text)
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ProfileError) as error:
         load(path)
     assert str(error.value).startswith(f"{path}: ")
     assert message in str(error.value)
@@ -152,7 +151,7 @@ def test_bad_files_are_one_line_with_the_key_path(tmp_path: Path, text: str, mes
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"--config .*/absent.yaml: No such file or directory"):
+    with pytest.raises(ProfileError, match=r"--config .*/absent.yaml: No such file or directory"):
         load(str(tmp_path / "absent.yaml"))
 
 

@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.bridge import _DevicePluginService
+from pcc_plugin.flags import Flags
+from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.registration import KubeletLink
+from pcc_plugin.service import DevicePluginService
+from pcc_plugin.stats import ResourceStats
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -50,5 +54,6 @@ def test_grpc_paths_are_kubelets() -> None:
     assert set(api.RegistrationBase().__mapping__()) == registration
     assert set(api.DevicePluginBase().__mapping__()) == device_plugin
     # The daemon's own handlers replace the generated ones on the same paths.
-    service = _DevicePluginService(logic=None, list_and_watch=None)  # type: ignore[arg-type]
-    assert set(service.__mapping__()) == device_plugin
+    plugin = DevicePlugin(Flags().pcc_resource(), "", ResourceStats())
+    service = DevicePluginService(plugin, KubeletLink(plugin.stats))
+    assert set(service.methods()) == device_plugin

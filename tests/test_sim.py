@@ -29,7 +29,7 @@ from pcc_plugin.sim import (
     run_blocking,
 )
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.sim.kubelet import ALLOCATE, REGISTER, is_extended_resource_name
+from pcc_plugin.sim.rules import ALLOCATE, REGISTER, is_extended_resource_name
 
 RESOURCE = "example.com/widget"
 ENDED = f"ListAndWatch ended unexpectedly for device plugin {RESOURCE}"

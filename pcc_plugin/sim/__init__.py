@@ -2,8 +2,9 @@
 
 from pcc_plugin.sim.blocking import run_blocking
 from pcc_plugin.sim.daemon import Daemon, StartDaemon
-from pcc_plugin.sim.kubelet import NoPluginError, PluginOptions, Registration, SimKubelet
+from pcc_plugin.sim.kubelet import SimKubelet
 from pcc_plugin.sim.node import FakeNode
+from pcc_plugin.sim.state import NoPluginError, PluginOptions, Registration
 
 __all__ = [
     "Daemon",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,10 +46,17 @@ class Daemon:
 
     @classmethod
     def spawn_plugin(
-        cls, args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None
+        cls,
+        args: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        wrapper: Sequence[str] = (),
     ) -> Daemon:
-        """Run ``python -m pcc_plugin`` with ``args`` under this interpreter."""
-        return cls([sys.executable, "-m", "pcc_plugin", *args], log_path, env)
+        """Run ``python -m pcc_plugin`` with ``args`` under this interpreter.
+
+        ``wrapper`` comes first on the command line (``prlimit --nofile=64``, ``unshare -m``).
+        """
+        return cls([*wrapper, sys.executable, "-m", "pcc_plugin", *args], log_path, env)
 
     @property
     def pid(self) -> int:
@@ -58,14 +66,19 @@ class Daemon:
         with self._changed:
             return "".join(self._lines)
 
-    def wait_for_log(self, substring: str, timeout: float = 10.0, *, count: int = 1) -> str:
-        """Block until ``count`` lines contain ``substring``; return the ``count``-th such line.
+    def wait_for_log(
+        self, substring: str | re.Pattern[str], timeout: float = 10.0, *, count: int = 1
+    ) -> str:
+        """Block until ``count`` lines contain ``substring`` (or match the pattern anywhere);
+        return the ``count``-th such line.
 
         Raises RuntimeError at once if the daemon's output ends first, TimeoutError after
         ``timeout`` seconds; both quote the end of the log.
         """
 
         def matching() -> list[str]:
+            if isinstance(substring, re.Pattern):
+                return [line for line in self._lines if substring.search(line)]
             return [line for line in self._lines if substring in line]
 
         with self._changed:
@@ -127,6 +140,9 @@ class Daemon:
 
 
 class StartDaemon(Protocol):
-    """The ``start_daemon`` fixture: run ``python -m pcc_plugin *args``, extra ``env`` merged in."""
+    """The ``start_daemon`` fixture: run ``[*wrapper] python -m pcc_plugin *args``, extra
+    ``env`` merged in."""
 
-    def __call__(self, *args: str, env: Mapping[str, str] | None = None) -> Daemon: ...
+    def __call__(
+        self, *args: str, env: Mapping[str, str] | None = None, wrapper: Sequence[str] = ()
+    ) -> Daemon: ...

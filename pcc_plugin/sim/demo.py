@@ -14,8 +14,10 @@ import grpc
 
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.sim.daemon import Daemon
-from pcc_plugin.sim.kubelet import HEALTHY, NoPluginError, SimKubelet
+from pcc_plugin.sim.kubelet import SimKubelet
 from pcc_plugin.sim.node import FakeNode
+from pcc_plugin.sim.rules import HEALTHY
+from pcc_plugin.sim.state import NoPluginError
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 REGISTERED = "Registered device plugin with Kubelet"

@@ -20,157 +20,63 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Protocol, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import attrs
 import grpc
 
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
+from pcc_plugin.sim.rules import (
+    ALLOCATE,
+    API_VERSION,
+    DIAL_TIMEOUT,
+    GET_DEVICE_PLUGIN_OPTIONS,
+    GET_PREFERRED_ALLOCATION,
+    HEALTHY,
+    KUBELET_SOCKET,
+    LIST_AND_WATCH,
+    MAX_SOCKET_PATH_BYTES,
+    PRE_START_CONTAINER,
+    PRE_START_TIMEOUT,
+    UNHEALTHY,
+    KeyBy,
+    is_extended_resource_name,
+    remove_sockets,
+)
+from pcc_plugin.sim.state import (
+    DialError,
+    NoPluginError,
+    PluginClient,
+    PluginOptions,
+    Registration,
+    ResourceState,
+    as_is,
+    serialize,
+)
 
 log = logging.getLogger(__name__)
 
-API_VERSION = "v1beta1"
-KUBELET_SOCKET = "kubelet.sock"
-HEALTHY = "Healthy"
-UNHEALTHY = "Unhealthy"
-MAX_SOCKET_PATH_BYTES = 107
-DIAL_TIMEOUT = 10.0
-PRE_START_TIMEOUT = 30.0
-
-# Written out here, not taken from generated code, so a wrong package or service name in the
-# daemon's proto fails against the simulator as it would against a real kubelet.
-REGISTER = "/v1beta1.Registration/Register"
-GET_DEVICE_PLUGIN_OPTIONS = "/v1beta1.DevicePlugin/GetDevicePluginOptions"
-LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
-GET_PREFERRED_ALLOCATION = "/v1beta1.DevicePlugin/GetPreferredAllocation"
-ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
-PRE_START_CONTAINER = "/v1beta1.DevicePlugin/PreStartContainer"
-
-KeyBy = Literal["endpoint", "resource"]
-
-_DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
-_QUALIFIED_NAME_PART = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-
-
-def is_qualified_name(value: str) -> bool:
-    """Kubernetes' IsQualifiedName: an optional DNS-1123 subdomain prefix and a short name."""
-    parts = value.split("/")
-    if len(parts) > 2:
-        return False
-    if len(parts) == 2:
-        prefix = parts[0]
-        if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix):
-            return False
-    name = parts[-1]
-    return len(name) <= 63 and _QUALIFIED_NAME_PART.fullmatch(name) is not None
-
-
-def is_extended_resource_name(name: str) -> bool:
-    """Kubernetes' IsExtendedResourceName, the check kubelet applies to RegisterRequest."""
-    if "/" not in name or "kubernetes.io/" in name or name.startswith("requests."):
-        return False
-    return is_qualified_name(f"requests.{name}")
-
-
-def remove_sockets(directory: Path) -> None:
-    """What kubelet does at start: delete socket files, keep regular files and subdirectories.
-
-    Like kubelet, it follows symlinks to decide (and then removes the link).
-    """
-    for entry in directory.iterdir():
-        try:
-            if stat.S_ISSOCK(entry.stat().st_mode):
-                entry.unlink()
-        except FileNotFoundError:
-            continue
-
-
-class NoPluginError(LookupError):
-    """No connected device plugin serves the resource."""
-
-
-class _Message(Protocol):
-    def SerializeToString(self) -> bytes: ...
-
-
 _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
-
-
-@attrs.frozen
-class PluginOptions:
-    pre_start_required: bool
-    get_preferred_allocation_available: bool
-
-
-@attrs.frozen
-class Registration:
-    """One answered Register call, as the simulator saw it."""
-
-    version: str
-    endpoint: str
-    resource_name: str
-    accepted: bool
-    # Why Register failed, or (legacy mode) why the dial after an accepted Register failed.
-    error: str | None
-    # Read back from the plugin with GetDevicePluginOptions; None until read, or if it failed.
-    options: PluginOptions | None
-    received_at: float
-    # When the answer was decided (time.monotonic()): for a current kubelet, after the dial.
-    answered_at: float = 0.0
-
-
-@attrs.define(eq=False)
-class _PluginClient:
-    """Kubelet's connection to one registered plugin socket."""
-
-    resource: str
-    endpoint: str
-    channel: Any
-    list_and_watch: Any = None
-    thread: threading.Thread | None = None
-    streaming: bool = False
-    connected: bool = True
-    # Set when the simulated kubelet itself goes down: the stream's end is then not "unexpected".
-    kubelet_stopping: bool = False
-
-
-@attrs.define
-class _ResourceState:
-    devices: dict[str, str] = attrs.Factory(dict)
-    messages: int = 0
-    active: _PluginClient | None = None
-
-
-class _DialError(Exception):
-    pass
-
-
-def _as_is(data: bytes) -> bytes:
-    return data
-
-
-def _serialize(message: _Message) -> bytes:
-    return message.SerializeToString()
 
 
 class SimKubelet:
     """Serves ``<plugin_dir>/kubelet.sock`` and talks to the plugins that register there.
 
     ``legacy``: answer Register first and dial the plugin afterwards, like older kubelets.
-    ``key_by``: ``"endpoint"`` (recent kubelets) lets an older registration's stream of a resource
-    end without touching the newer one; ``"resource"`` (older kubelets) disconnects the newest
-    client of a resource whenever an older stream of that resource ends.
+    ``key_by``: ``"endpoint"`` (kubelet 1.35 and later) keeps a client per socket: an older
+    registration's stream of a resource may end without touching the newer one, and when the
+    newest one's ends, a remaining endpoint takes over and nothing is marked unhealthy.
+    ``"resource"`` (older kubelets) keeps one client per resource: it disconnects the newest
+    client of a resource whenever an older stream of that resource ends, and when the newest
+    one's ends, marks the resource unhealthy, leaving the older streams open and unheard.
     ``dial_timeout`` shortens kubelet's 10 s blocking dial for tests of failed dials.
 
     Every observation method is thread-safe; :meth:`wait_for` blocks until a predicate over them
@@ -205,10 +111,13 @@ class SimKubelet:
         self._register_calls = 0
         self._registrations: list[Registration] = []
         self._events: list[str] = []
-        self._resources: dict[str, _ResourceState] = {}
-        self._clients: set[_PluginClient] = set()
+        self._resources: dict[str, ResourceState] = {}
+        self._clients: set[PluginClient] = set()
         self._pending_dials: set[Any] = set()
         self._planned_failures: collections.deque[str] = collections.deque()
+        # Called with the plugin's socket while Register is in flight, before the dial back:
+        # a test's way to be a tool that finds the socket at the worst moment.
+        self.before_dial: Callable[[Path], None] | None = None
 
     def __enter__(self) -> Self:
         self.start()
@@ -238,7 +147,7 @@ class SimKubelet:
         register = grpc.unary_unary_rpc_method_handler(
             self._register,
             request_deserializer=pb.RegisterRequest.FromString,
-            response_serializer=_serialize,
+            response_serializer=serialize,
         )
         server = grpc.server(
             executor,
@@ -384,7 +293,7 @@ class SimKubelet:
             resource,
             GET_DEVICE_PLUGIN_OPTIONS,
             pb.Empty(),
-            _serialize,
+            serialize,
             pb.DevicePluginOptions.FromString,
             timeout,
         )
@@ -400,7 +309,7 @@ class SimKubelet:
             ]
         )
         response: pb.AllocateResponse = self._call(
-            resource, ALLOCATE, request, _serialize, pb.AllocateResponse.FromString, timeout
+            resource, ALLOCATE, request, serialize, pb.AllocateResponse.FromString, timeout
         )
         return response
 
@@ -425,7 +334,7 @@ class SimKubelet:
             resource,
             GET_PREFERRED_ALLOCATION,
             request,
-            _serialize,
+            serialize,
             pb.PreferredAllocationResponse.FromString,
             timeout,
         )
@@ -439,7 +348,7 @@ class SimKubelet:
             resource,
             PRE_START_CONTAINER,
             request,
-            _serialize,
+            serialize,
             pb.PreStartContainerResponse.FromString,
             timeout,
         )
@@ -457,10 +366,10 @@ class SimKubelet:
             if isinstance(target, Path) or target.startswith("/"):
                 with self._dial_now(Path(target)) as channel:
                     channel.unary_unary(
-                        method_path, request_serializer=_as_is, response_deserializer=_as_is
+                        method_path, request_serializer=as_is, response_deserializer=as_is
                     )(payload, timeout=timeout)
             else:
-                self._call(target, method_path, payload, _as_is, _as_is, timeout)
+                self._call(target, method_path, payload, as_is, as_is, timeout)
         except grpc.RpcError as rpc_error:
             return rpc_error.code(), rpc_error.details() or ""
         return grpc.StatusCode.OK, ""
@@ -475,12 +384,14 @@ class SimKubelet:
             planned_failure = self._planned_failures.popleft() if self._planned_failures else None
             self._changed.notify_all()
         error = planned_failure or self._validate(request)
-        client: _PluginClient | None = None
+        client: PluginClient | None = None
         options: PluginOptions | None = None
+        if error is None and self.before_dial is not None:
+            self.before_dial(self.plugin_dir / request.endpoint)
         if error is None and not self.legacy:
             try:
                 client, options = self._connect(request)
-            except _DialError as dial_error:
+            except DialError as dial_error:
                 error = str(dial_error)
         with self._changed:
             if error is None and generation != self._generation:
@@ -531,7 +442,7 @@ class SimKubelet:
             return f'the endpoint "{request.endpoint}" is not a file name in {self.plugin_dir}'
         return None
 
-    def _connect(self, request: pb.RegisterRequest) -> tuple[_PluginClient, PluginOptions]:
+    def _connect(self, request: pb.RegisterRequest) -> tuple[PluginClient, PluginOptions]:
         """Dial the plugin and read its options, as kubelet does before using a plugin.
 
         A wait-for-ready GetDevicePluginOptions is the blocking dial, so dial and options share
@@ -542,7 +453,7 @@ class SimKubelet:
         channel = self._dial_now(socket_path)
         reply_future = channel.unary_unary(
             GET_DEVICE_PLUGIN_OPTIONS,
-            request_serializer=_serialize,
+            request_serializer=serialize,
             response_deserializer=pb.DevicePluginOptions.FromString,
         ).future(pb.Empty(), timeout=self.dial_timeout, wait_for_ready=True)
         with self._changed:
@@ -551,16 +462,16 @@ class SimKubelet:
             reply = reply_future.result()
         except grpc.FutureCancelledError:
             channel.close()
-            raise _DialError("failed to dial device plugin: kubelet is shutting down") from None
+            raise DialError("failed to dial device plugin: kubelet is shutting down") from None
         except grpc.RpcError as rpc_error:
             channel.close()
             if rpc_error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise _DialError(
+                raise DialError(
                     f"failed to dial device plugin: {socket_path} did not answer "
                     f"within {self.dial_timeout} s"
                 ) from None
             status = f"{rpc_error.code().name}: {rpc_error.details()}"
-            raise _DialError(f"failed to get device plugin options: {status}") from None
+            raise DialError(f"failed to get device plugin options: {status}") from None
         finally:
             with self._changed:
                 self._pending_dials.discard(reply_future)
@@ -568,7 +479,7 @@ class SimKubelet:
             pre_start_required=reply.pre_start_required,
             get_preferred_allocation_available=reply.get_preferred_allocation_available,
         )
-        return _PluginClient(request.resource_name, request.endpoint, channel), options
+        return PluginClient(request.resource_name, request.endpoint, channel), options
 
     @staticmethod
     def _dial_now(socket_path: Path) -> Any:
@@ -582,7 +493,7 @@ class SimKubelet:
         def connect() -> None:
             try:
                 client, options = self._connect(request)
-            except _DialError as dial_error:
+            except DialError as dial_error:
                 with self._changed:
                     self._registrations[index] = attrs.evolve(
                         self._registrations[index], error=str(dial_error)
@@ -602,13 +513,13 @@ class SimKubelet:
 
     # ListAndWatch
 
-    def _attach(self, client: _PluginClient) -> None:
+    def _attach(self, client: PluginClient) -> None:
         """Make ``client`` the active plugin of its resource and start its ListAndWatch stream."""
-        self._resources.setdefault(client.resource, _ResourceState()).active = client
+        self._resources.setdefault(client.resource, ResourceState()).active = client
         self._clients.add(client)
         client.list_and_watch = client.channel.unary_stream(
             LIST_AND_WATCH,
-            request_serializer=_serialize,
+            request_serializer=serialize,
             response_deserializer=pb.ListAndWatchResponse.FromString,
         )(pb.Empty())
         client.thread = threading.Thread(
@@ -620,7 +531,7 @@ class SimKubelet:
         client.thread.start()
         self._changed.notify_all()
 
-    def _watch(self, client: _PluginClient) -> None:
+    def _watch(self, client: PluginClient) -> None:
         reason = "the plugin closed the stream"
         try:
             for response in client.list_and_watch:
@@ -631,26 +542,27 @@ class SimKubelet:
         client.channel.close()
         self._stream_ended(client, reason)
 
-    def _receive(self, client: _PluginClient, response: pb.ListAndWatchResponse) -> None:
+    def _receive(self, client: PluginClient, response: pb.ListAndWatchResponse) -> None:
         with self._changed:
             if not client.streaming:
                 client.streaming = True
                 self._record(
                     f"ListAndWatch stream opened for {client.resource} ({client.endpoint})"
                 )
+            client.devices = {device.ID: device.health for device in response.devices}
             state = self._resources[client.resource]
             if state.active is not client:
                 self._record(f"ignored a device list from a replaced plugin of {client.resource}")
                 return
-            state.devices = {device.ID: device.health for device in response.devices}
+            state.devices = dict(client.devices)
             state.messages += 1
             healthy = sum(health == HEALTHY for health in state.devices.values())
             self._record(
                 f"received {len(state.devices)} devices for {client.resource} ({healthy} healthy)"
             )
 
-    def _stream_ended(self, client: _PluginClient, reason: str) -> None:
-        newest_to_disconnect: _PluginClient | None = None
+    def _stream_ended(self, client: PluginClient, reason: str) -> None:
+        newest_to_disconnect: PluginClient | None = None
         with self._changed:
             client.streaming = False
             client.connected = False
@@ -664,7 +576,21 @@ class SimKubelet:
             )
             state = self._resources[client.resource]
             newest = state.active
-            if newest is client or self.key_by == "resource":
+            remaining = [
+                other
+                for other in self._clients
+                if other.resource == client.resource and other.connected and other.streaming
+            ]
+            if self.key_by == "endpoint" and newest is client and remaining:
+                # Kubelet 1.35+: another endpoint of the resource is still there; it takes
+                # over with its own latest list, and nothing is marked unhealthy.
+                promoted = remaining[-1]
+                state.active = promoted
+                state.devices = dict(promoted.devices)
+                self._record(
+                    f"promoted {promoted.endpoint}, still connected, for {client.resource}"
+                )
+            elif newest is client or self.key_by == "resource":
                 state.devices = dict.fromkeys(state.devices, UNHEALTHY)
             if (
                 self.key_by == "resource"
@@ -681,7 +607,7 @@ class SimKubelet:
         if newest_to_disconnect is not None:
             newest_to_disconnect.channel.close()
 
-    def _active_client(self, resource: str) -> _PluginClient:
+    def _active_client(self, resource: str) -> PluginClient:
         with self._changed:
             state = self._resources.get(resource)
             if state is None or state.active is None or not state.active.connected:

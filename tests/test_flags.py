@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pcc_plugin.cli import build_parser, go_style, parse_config
-from pcc_plugin.config import MAX_RESOURCE_COUNT, Config, resource_name_problem
-from pcc_plugin.resources import health_problem, pcc_resource
+from pcc_plugin import main
+from pcc_plugin.flags import Flags, build_parser, go_style, parse
+from pcc_plugin.resource import MAX_RESOURCE_COUNT, health_problem, resource_name_problem
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -24,8 +24,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def parse_config(argv: list[str]) -> Flags:
+    flags, wants_version = parse(argv, "pcc-device-plugin", main.DESCRIPTION, main.EPILOG)
+    assert not wants_version
+    return flags
+
+
 def test_defaults() -> None:
-    assert parse_config([]) == Config(
+    assert parse_config([]) == Flags(
         pcc_device="/dev/sev-guest",
         pcc_socket_path="/var/run/pcc",
         resource_name="tke.cloud.tencent.com/pcc-device",
@@ -66,7 +72,7 @@ def test_go_style_leaves_values_and_unknown_flags_alone() -> None:
 
 
 def test_every_flag_is_documented() -> None:
-    help_text = build_parser().format_help()
+    help_text = build_parser("pcc-device-plugin", "", "").format_help()
     for flag in (
         "--pcc-device",
         "--pcc-socket-path",
@@ -88,22 +94,22 @@ def test_largest_resource_count_is_accepted() -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--resource-count=0"], "--resource-count: must be at least 1, got 0"),
-        (["--resource-count=-3"], "--resource-count: must be at least 1, got -3"),
+        (["--resource-count=0"], "--resource-count: must be from 1 to 10000, got 0"),
+        (["--resource-count=-3"], "--resource-count: must be from 1 to 10000, got -3"),
         (["--resource-count=ten"], "--resource-count: must be a whole number, got 'ten'"),
         (["--resource-count=1.5"], "--resource-count: must be a whole number, got '1.5'"),
-        (["--resource-count=10001"], "--resource-count must be from 1 to 10000, got 10001"),
+        (["--resource-count=10001"], "--resource-count: must be from 1 to 10000, got 10001"),
         (["--resource-name=pcc-device"], "needs the form domain/name"),
         (["--resource-name=kubernetes.io/pcc"], "kubernetes.io domain is reserved"),
         (["--resource-name=requests.example.com/pcc"], "must not start with 'requests.'"),
         (["--resource-name=Example.com/pcc"], "is not a lowercase DNS subdomain"),
         (["--resource-name=example.com/-pcc"], "must be 1-63 characters"),
-        (["--pcc-device=dev/sev-guest"], "--pcc-device must be an absolute path"),
-        (["--host-root=host"], "--host-root must be empty or an absolute path"),
-        (["--device-plugin-path=/" + "d" * 80], "--device-plugin-path is too long"),
+        (["--pcc-device=dev/sev-guest"], "--pcc-device: must be an absolute path"),
+        (["--host-root=host"], "--host-root: must be empty or an absolute path"),
+        (["--device-plugin-path=/" + "d" * 80], "--device-plugin-path: is too long"),
         (["--v=-1"], "--v: must be at least 0, got -1"),
-        (["--metrics-bind-address=8080"], "--metrics-bind-address must be host:port"),
-        (["--metrics-bind-address=:http"], "--metrics-bind-address must be host:port"),
+        (["--metrics-bind-address=8080"], "--metrics-bind-address: must be host:port"),
+        (["--metrics-bind-address=:http"], "--metrics-bind-address: must be host:port"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--pcc-dev=/dev/x"], "unrecognized arguments: --pcc-dev=/dev/x"),
         (["--resource-count"], "--resource-count: expected one argument"),
@@ -148,7 +154,7 @@ def test_resource_names_as_kubelet_checks_them(name: str, problem: str | None) -
 
 
 def detect(host: Path) -> str | None:
-    return health_problem(pcc_resource(Config()), str(host))
+    return health_problem(Flags().pcc_resource(), str(host))
 
 
 def test_detect_accepts_a_character_device_and_a_directory(host: Path) -> None:

@@ -1,4 +1,10 @@
-"""What one extended resource hands to containers, and what the node has of it right now."""
+"""The model of one extended resource: what it advertises, and what a container gets.
+
+A resource comes from the flags (the PCC profile, `pcc_resource`) or from a
+profiles file (`profiles.load`); either way it is a `ResourceSpec`. Its
+devices are what the node has of it right now (`take_inventory`), and a
+container allocated some of them gets a `Grant`.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,42 @@ from typing import Literal
 
 import attrs
 
-from pcc_plugin.config import CONTAINER_DEVICE_PATH, CONTAINER_PCC_PATH, Config
+CONTAINER_DEVICE_PATH = "/dev/sev-guest"
+CONTAINER_PCC_PATH = "/var/run/pcc"
+# kubelet keeps every device ID in memory and in its checkpoint, and each
+# ListAndWatch message carries them all; 10,000 shares stay far below gRPC's
+# 4 MiB message limit.
+MAX_RESOURCE_COUNT = 10_000
+
+_DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
+_QUALIFIED_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why kubelet would reject `name` as an extended resource name, or None.
+
+    Kubelet accepts `domain/name` outside `kubernetes.io/` whose
+    `requests.<name>` form is a valid qualified name.
+    """
+    if "/" not in name:
+        return "needs the form domain/name, e.g. example.com/device"
+    if name.startswith("requests."):
+        return "must not start with 'requests.'"
+    prefix, _, short = name.partition("/")
+    if prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
+        return "the kubernetes.io domain is reserved for Kubernetes"
+    if "/" in short:
+        return "has more than one '/'"
+    if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix):
+        return f"domain {prefix!r} is not a lowercase DNS subdomain"
+    if len(short) > 63 or not _QUALIFIED_NAME.fullmatch(short):
+        return (
+            f"name {short!r} must be 1-63 characters of letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
 
 DeviceType = Literal["char", "block"]
 _DEVICE_TEST = {"char": stat.S_ISCHR, "block": stat.S_ISBLK}
@@ -67,19 +108,15 @@ class ResourceSpec:
             mount.host_path for mount in self.mounts
         ]
 
-    def is_own_socket(self, name: str) -> bool:
-        pattern = rf"{re.escape(self.socket_prefix)}-\d+-[0-9a-f]+-\d+\.sock"
-        return re.fullmatch(pattern, name) is not None
 
-
-def pcc_resource(config: Config) -> ResourceSpec:
+def pcc_resource(name: str, count: int, device: str, pcc_dir: str) -> ResourceSpec:
     """The PCC profile: one SEV-SNP guest device and the PCC socket directory, shared."""
     return ResourceSpec(
-        name=config.resource_name,
-        count=config.resource_count,
+        name=name,
+        count=count,
         socket_prefix="pcc",
-        device_nodes=(DeviceNode(config.pcc_device, CONTAINER_DEVICE_PATH, "rw", "char"),),
-        mounts=(HostMount(config.pcc_socket_path, CONTAINER_PCC_PATH, False, "socket path"),),
+        device_nodes=(DeviceNode(device, CONTAINER_DEVICE_PATH, "rw", "char"),),
+        mounts=(HostMount(pcc_dir, CONTAINER_PCC_PATH, False, "socket path"),),
     )
 
 
@@ -179,3 +216,20 @@ def take_inventory(
         for index in range(spec.count):
             devices.append(Device(f"{group}-{index}", group, (*spec.fixed_nodes, node), problem))
     return tuple(devices)
+
+
+@attrs.frozen
+class Grant:
+    """What one container gets for the devices allocated to it."""
+
+    device_nodes: tuple[DeviceNode, ...]
+    mounts: tuple[HostMount, ...]
+    envs: tuple[tuple[str, str], ...]
+    # Fully qualified CDI device names, with --cdi.
+    cdi_devices: tuple[str, ...] = ()
+
+
+def grant(spec: ResourceSpec, devices: list[Device]) -> Grant:
+    # Several shares of one node still give that node, and each mount, once.
+    nodes = {node.host_path: node for device in devices for node in device.nodes}
+    return Grant(tuple(nodes.values()), spec.mounts, spec.envs)

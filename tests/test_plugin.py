@@ -7,18 +7,18 @@ from typing import Any
 
 import pytest
 
-from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.config import Config
-from pcc_plugin.devices import DevicePlugin, DeviceUnavailable, RequestError, encode_listing
-from pcc_plugin.resources import DeviceNode, HostMount, ResourceSpec, pcc_resource
+from pcc_plugin.flags import Flags
+from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError, encode_listing
+from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
+from pcc_plugin.service import encode_allocate_response
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.stats import ResourceStats
 
 
 def pcc_plugin(host: Path, pre_start_check: bool = False, **flags: Any) -> DevicePlugin:
-    config = Config(host_root=str(host), **flags)
+    config = Flags(host_root=str(host), **flags)
     return DevicePlugin(
-        pcc_resource(config), config.host_root, ResourceStats(), pre_start_check=pre_start_check
+        config.pcc_resource(), config.host_root, ResourceStats(), pre_start_check=pre_start_check
     )
 
 
@@ -30,10 +30,8 @@ def listing(plugin: DevicePlugin) -> pb.ListAndWatchResponse:
 
 
 def allocate(plugin: DevicePlugin, *containers: list[str]) -> pb.AllocateResponse:
-    request = api.AllocateRequest(
-        container_requests=[api.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
-    )
-    response: pb.AllocateResponse = pb.AllocateResponse.FromString(bytes(plugin.allocate(request)))
+    encoded = encode_allocate_response(plugin.allocate(list(containers)))
+    response: pb.AllocateResponse = pb.AllocateResponse.FromString(encoded)
     return response
 
 
@@ -98,27 +96,22 @@ def test_one_response_per_container_request(host: Path) -> None:
 def test_bad_requests_name_the_problem(
     host: Path, containers: list[list[str]], message: str
 ) -> None:
-    request = api.AllocateRequest(
-        container_requests=[api.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
-    )
     plugin = pcc_plugin(host)
     with pytest.raises(RequestError, match=message):
-        plugin.allocate(request)
+        plugin.allocate(containers)
     assert plugin.stats.allocations == {"invalid": 1}
 
 
 def test_allocate_fails_with_the_reason_while_unhealthy(host: Path) -> None:
     plugin = pcc_plugin(host)
-    request = api.AllocateRequest(
-        container_requests=[api.ContainerAllocateRequest(devices_ids=["pcc-0"])]
-    )
+    request = [["pcc-0"]]
     (host / "dev" / "sev-guest").unlink()
     plugin.refresh()
     with pytest.raises(DeviceUnavailable, match=r"pcc-0 is unhealthy: detect device .* failed"):
         plugin.allocate(request)
     (host / "dev" / "sev-guest").symlink_to("/dev/null")
     plugin.refresh()
-    assert len(plugin.allocate(request).container_responses) == 1
+    assert len(plugin.allocate(request)) == 1
     assert plugin.stats.allocations == {"unavailable": 1, "ok": 1}
     assert (plugin.stats.healthy_devices, plugin.stats.unhealthy_devices) == (16, 0)
 
@@ -126,13 +119,13 @@ def test_allocate_fails_with_the_reason_while_unhealthy(host: Path) -> None:
 def test_pre_start_check_looks_at_the_node_again(host: Path) -> None:
     checked = pcc_plugin(host, pre_start_check=True)
     assert checked.options().pre_start_required
-    request = api.PreStartContainerRequest(devices_ids=["pcc-0"])
+    request = ["pcc-0"]
     checked.pre_start_container(request)
     (host / "var" / "run" / "pcc").rmdir()
     with pytest.raises(DeviceUnavailable, match=f"detect socket path {host}/var/run/pcc"):
         checked.pre_start_container(request)
     with pytest.raises(RequestError, match="unknown device IDs 'nope'"):
-        checked.pre_start_container(api.PreStartContainerRequest(devices_ids=["nope"]))
+        checked.pre_start_container(["nope"])
 
 
 def test_globbed_devices_are_one_device_each_and_stay_listed_when_gone(host: Path) -> None:

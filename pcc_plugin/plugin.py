@@ -1,16 +1,18 @@
-"""What the plugin advertises and answers for one resource."""
+"""One resource as kubelet sees it: its device list, kept in step with the node, and its answers."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import trio
+import attrs
 
+from pcc_plugin import wire
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.klog import V1
-from pcc_plugin.resources import Device, DeviceNode, ResourceSpec, take_inventory
+from pcc_plugin.resource import Device, DeviceNode, Grant, ResourceSpec, grant, take_inventory
 from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
@@ -29,28 +31,28 @@ class DeviceUnavailable(RuntimeError):
 
 def encode_listing(devices: tuple[Device, ...]) -> bytes:
     """The full device list, encoded once and shared by every ListAndWatch stream."""
-    message = api.ListAndWatchResponse(
-        devices=[
-            api.Device(id=device.id, health=HEALTHY if device.healthy else UNHEALTHY)
-            for device in devices
-        ]
+    return wire.encode_list_and_watch(
+        (device.id, HEALTHY if device.healthy else UNHEALTHY) for device in devices
     )
-    return bytes(message)
 
 
 class DeviceFeed:
-    """The current encoded device list, and a wake-up for every stream when it changes."""
+    """The current encoded device list, and a wake-up for every stream when it changes.
+
+    Streams wait on the asyncio side (they are gRPC handlers); `publish` is
+    called from trio or asyncio code alike, on the one thread.
+    """
 
     def __init__(self, payload: bytes) -> None:
         self._payload = payload
         self._version = 0
-        self._changed = trio.Event()
+        self._changed = asyncio.Event()
 
     def publish(self, payload: bytes) -> None:
         self._payload = payload
         self._version += 1
         self._changed.set()
-        self._changed = trio.Event()
+        self._changed = asyncio.Event()
 
     async def stream(self, send: Callable[[bytes], Awaitable[None]]) -> None:
         """Send the list now and again after every change, until cancelled."""
@@ -140,15 +142,16 @@ class DevicePlugin:
             )
         return [self._by_id[device_id] for device_id in ids]
 
-    def allocate(self, request: api.AllocateRequest) -> api.AllocateResponse:
+    def allocate(self, containers: list[list[str]]) -> list[Grant]:
+        """What each container of one Allocate call gets, by its device IDs."""
         try:
-            if not request.container_requests:
+            if not containers:
                 raise RequestError("AllocateRequest has no container requests")
-            containers = [
-                self._devices_named(f"container request {index}", container.devices_ids)
-                for index, container in enumerate(request.container_requests)
+            allocated = [
+                self._devices_named(f"container request {index}", ids)
+                for index, ids in enumerate(containers)
             ]
-            for devices in containers:
+            for devices in allocated:
                 for device in devices:
                     if device.problem:
                         raise DeviceUnavailable(
@@ -161,50 +164,27 @@ class DevicePlugin:
             self.stats.allocations["unavailable"] += 1
             raise
         self.stats.allocations["ok"] += 1
-        responses = [self._container_response(devices) for devices in containers]
+        grants = [self._grant(devices) for devices in allocated]
         log.log(
             V1,
             "Allocate %s: %s -> %s",
             self.spec.name,
-            [container.devices_ids for container in request.container_requests],
-            [[spec.host_path for spec in response.devices] for response in responses],
+            containers,
+            [[node.host_path for node in given.device_nodes] for given in grants],
         )
-        return api.AllocateResponse(container_responses=responses)
+        return grants
 
-    def _container_response(self, devices: list[Device]) -> api.ContainerAllocateResponse:
-        # Several shares of one node still give that node, and each mount, once.
-        nodes = {node.host_path: node for device in devices for node in device.nodes}
-        response = api.ContainerAllocateResponse(
-            devices=[
-                api.DeviceSpec(
-                    container_path=node.container_path,
-                    host_path=node.host_path,
-                    permissions=node.permissions,
-                )
-                for node in nodes.values()
-            ],
-            mounts=[
-                api.Mount(
-                    container_path=mount.container_path,
-                    host_path=mount.host_path,
-                    read_only=mount.read_only,
-                )
-                for mount in self.spec.mounts
-            ],
-            envs=dict(self.spec.envs),
-        )
-        if self._cdi_spec_dir is not None:
-            from pcc_plugin import cdi
+    def _grant(self, devices: list[Device]) -> Grant:
+        given = grant(self.spec, devices)
+        if self._cdi_spec_dir is None:
+            return given
+        from pcc_plugin import cdi
 
-            response.cdi_devices = [
-                api.CdiDevice(name=name) for name in cdi.qualified_names(self.spec, devices)
-            ]
-        return response
+        return attrs.evolve(given, cdi_devices=tuple(cdi.qualified_names(self.spec, devices)))
 
-    def pre_start_container(
-        self, request: api.PreStartContainerRequest
-    ) -> api.PreStartContainerResponse:
-        devices = self._devices_named("PreStartContainerRequest", request.devices_ids)
+    def pre_start_container(self, device_ids: list[str]) -> None:
+        """Check, before a container starts, that its devices are still there (if asked to)."""
+        devices = self._devices_named("PreStartContainerRequest", device_ids)
         if self._pre_start_check:
             # One fresh look at the node; each device's problem includes the shared ones.
             self.refresh()
@@ -212,4 +192,3 @@ class DevicePlugin:
                 problem = self._by_id[device.id].problem
                 if problem:
                     raise DeviceUnavailable(f"cannot start the container: {problem}")
-        return api.PreStartContainerResponse()

@@ -1,0 +1,88 @@
+"""`pcc-device-plugin doctor [flags]`: run every check in order, print a line each, exit 0/1/2."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import trio
+
+from pcc_plugin import bridge, flags, klog
+from pcc_plugin.doctor.kubelet import (
+    check_kubelet,
+    check_plugin,
+    check_plugin_dir,
+    expected_devices,
+)
+from pcc_plugin.doctor.node import check_device, check_mount
+from pcc_plugin.doctor.readyz import check_readyz
+from pcc_plugin.doctor.report import Result, skipped
+from pcc_plugin.flags import Flags
+from pcc_plugin.resource import ResourceSpec
+
+PROG = f"{flags.PROG} doctor"
+DESCRIPTION = (
+    "Check this node for the plugin: device and directories, kubelet's socket directory "
+    "and kubelet.sock, the daemon's socket and /readyz. Give it the daemon's flags. "
+    "It changes nothing and sends kubelet no Register."
+)
+EPILOG = "Exit codes: 0 no check failed; 1 a check failed; 2 usage error."
+
+
+async def examine(
+    config: Flags, specs: Sequence[ResourceSpec], report: Callable[[Result], None]
+) -> None:
+    """Run every check in order and `report` each result as it comes."""
+    host_root = config.host_root
+    node_checks: dict[str, Result] = {}
+    for spec in specs:
+        for node in spec.device_nodes:
+            node_checks.setdefault(f"device {node.host_path}", check_device(node, host_root))
+        for mount in spec.mounts:
+            node_checks.setdefault(
+                f"{mount.label} {mount.host_path}", check_mount(mount, host_root)
+            )
+    for result in node_checks.values():
+        report(result)
+    plugin_dir = Path(config.device_plugin_path)
+    directory = check_plugin_dir(plugin_dir)
+    report(directory)
+    async with bridge.asyncio_loop():
+        if directory.status == "PASS":
+            kubelet = await check_kubelet(plugin_dir)
+        else:
+            kubelet = skipped("kubelet", f"not checked until {plugin_dir} exists")
+        report(kubelet)
+        for spec in specs:
+            if kubelet.status == "PASS":
+                expected = expected_devices(spec, host_root)
+                report(await check_plugin(plugin_dir, spec, expected, config.pre_start_check))
+            else:
+                # Until kubelet has opened its own stream, the daemon would take
+                # the doctor's ListAndWatch for kubelet's.
+                report(skipped(f"plugin {spec.name}", "not checked until kubelet answers"))
+    report(await check_readyz(config.metrics_bind_address))
+
+
+def main(argv: Sequence[str]) -> NoReturn:
+    config, wants_version = flags.parse(argv, PROG, DESCRIPTION, EPILOG)
+    if wants_version:
+        print(flags.version_text(config.verbosity))
+        sys.exit(0)
+    klog.configure(config.verbosity)
+    specs = flags.resources(config, PROG)
+    results: list[Result] = []
+
+    def report(result: Result) -> None:
+        results.append(result)
+        print(result.line(), flush=True)
+
+    trio.run(examine, config, specs, report)
+    counts = collections.Counter(result.status for result in results)
+    print(
+        f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped.", flush=True
+    )
+    sys.exit(1 if counts["FAIL"] else 0)

@@ -1,0 +1,121 @@
+"""Checks of the node: device nodes, and the directories mounted into containers."""
+
+from __future__ import annotations
+
+import glob
+import os
+import stat
+
+from pcc_plugin.doctor.mountinfo import mount_of
+from pcc_plugin.doctor.report import (
+    AS_ROOT,
+    Result,
+    expect_kind,
+    failed,
+    is_within,
+    kind,
+    passed,
+)
+from pcc_plugin.resource import DeviceNode, DeviceType, HostMount, seen_from_here
+
+DEVICE_WORDS: dict[DeviceType, str] = {"char": "a character device", "block": "a block device"}
+
+
+def _mounted_hint(host_root: str, host_path: str) -> str:
+    if not host_root:
+        return ""
+    parent = os.path.dirname(host_path)
+    return f"; with --host-root, the host's {parent} must be mounted at {host_root}{parent}"
+
+
+def glob_matches(node: DeviceNode, host_root: str) -> list[str]:
+    matches = []
+    for match in sorted(glob.glob(seen_from_here(host_root, node.host_path))):
+        try:
+            mode = os.stat(match).st_mode
+        except OSError:
+            continue
+        if kind(mode) == DEVICE_WORDS[node.device_type]:
+            matches.append(match)
+    return matches
+
+
+def check_device(node: DeviceNode, host_root: str) -> Result:
+    check = f"device {node.host_path}"
+    wanted = DEVICE_WORDS[node.device_type]
+    load_driver = (
+        "load its driver on the host (for /dev/sev-guest: modprobe sev-guest, on an SEV-SNP "
+        "guest kernel), or give the daemon and the doctor the right path"
+    )
+    if node.is_glob:
+        matches = glob_matches(node, host_root)
+        if not matches:
+            pattern = seen_from_here(host_root, node.host_path)
+            return failed(
+                check,
+                f"nothing matching {pattern} is {wanted}",
+                load_driver + _mounted_hint(host_root, node.host_path),
+            )
+        return passed(check, f"{len(matches)} match, each {wanted}: {', '.join(matches)}")
+    path = seen_from_here(host_root, node.host_path)
+    problem = expect_kind(
+        check,
+        path,
+        wanted,
+        load_driver + _mounted_hint(host_root, node.host_path),
+        f"something replaced the device node: remove {node.host_path} on the host and "
+        "load its driver again (for /dev/sev-guest: modprobe -r sev-guest; modprobe sev-guest)",
+    )
+    return problem or passed(check, f"{path} is {wanted}")
+
+
+def _writable(check: str, mount: HostMount, path: str, host_root: str) -> Result:
+    if os.access(path, os.W_OK | os.X_OK):
+        return passed(check, f"{path} is a writable directory")
+    where = mount_of(path)
+    if where is not None and where.fs_read_only:
+        return failed(
+            check,
+            f"{path} is on a read-only filesystem ({where.fs_type} at {where.point})",
+            f"remount that filesystem read-write on the host, or move {mount.host_path} "
+            "to one that is",
+        )
+    if where is not None and where.read_only:
+        if host_root and is_within(where.point, host_root):
+            # The pod sees the host through read-only mounts on purpose; kubelet
+            # mounts the host's directory into containers read-write.
+            return passed(
+                check,
+                f"{path} is a directory on a read-write filesystem "
+                f"(read-only here only through this container's mount at {where.point})",
+            )
+        return failed(
+            check,
+            f"{path} is on a read-only mount at {where.point}",
+            f"remount it read-write (mount -o remount,bind,rw {where.point})",
+        )
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    return failed(
+        check,
+        f"{path} (mode {mode:04o}) is not writable for uid {os.geteuid()}",
+        f"give its owner write permission on the host (chmod u+w {mount.host_path}); " + AS_ROOT,
+    )
+
+
+def check_mount(mount: HostMount, host_root: str) -> Result:
+    check = f"{mount.label} {mount.host_path}"
+    path = seen_from_here(host_root, mount.host_path)
+    problem = expect_kind(
+        check,
+        path,
+        "a directory",
+        f"create it on the host (mkdir -p {mount.host_path}; the service that owns it "
+        "usually does at start), or give the daemon and the doctor the right path"
+        + _mounted_hint(host_root, mount.host_path),
+        f"make {mount.host_path} a directory on the host",
+    )
+    if problem:
+        return problem
+    if mount.read_only:
+        return passed(check, f"{path} is a directory")
+    return _writable(check, mount, path, host_root)

@@ -1,0 +1,266 @@
+"""The command line, for the daemon and the doctor alike: flags as the Go plugins spell them.
+
+Each flag is written once, as a field of `Flags`: its default, its help and its
+check. Usage errors are one line, `<prog>: --flag: problem (see --help)`, and
+exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import attrs
+
+from pcc_plugin import __version__
+from pcc_plugin.resource import (
+    MAX_RESOURCE_COUNT,
+    ResourceSpec,
+    pcc_resource,
+    resource_name_problem,
+)
+
+PROG = "pcc-device-plugin"
+# Printed by `--version --v=1`: what a bug report needs besides our own version.
+STACK = ("trio", "trio-asyncio", "grpclib", "betterproto2", "asyncinotify", "attrs")
+# A unix socket path holds at most 107 bytes; our socket names take up to 51
+# (`<prefix of up to 20>-<pid>-<token>-<n>.sock`).
+MAX_PLUGIN_DIR_BYTES = 56
+
+
+class UsageError(ValueError):
+    """A flag value that cannot work; the message starts with the flag's name."""
+
+
+Check = Callable[[str, Any], str | None]
+
+
+def _flag(
+    name: str, default: Any, help: str, *, metavar: str | None = None, check: Check | None = None
+) -> Any:
+    def validate(_: object, __: attrs.Attribute[Any], value: Any) -> None:
+        problem = check(name, value) if check else None
+        if problem:
+            raise UsageError(f"{name}: {problem}")
+
+    return attrs.field(
+        default=default,
+        validator=validate,
+        metadata={"flag": name, "help": help, "metavar": metavar},
+    )
+
+
+def _absolute(_: str, value: str) -> str | None:
+    return None if value.startswith("/") else f"must be an absolute path, got {value!r}"
+
+
+def _count_range(low: int, high: int | None) -> Check:
+    def check(_: str, value: int) -> str | None:
+        if low <= value and (high is None or value <= high):
+            return None
+        return (
+            f"must be from {low} to {high}, got {value}"
+            if high
+            else (f"must be at least {low}, got {value}")
+        )
+
+    return check
+
+
+def _plugin_dir(name: str, value: str) -> str | None:
+    size = len(value.encode())
+    if size > MAX_PLUGIN_DIR_BYTES:
+        return f"is too long for unix sockets: {size} bytes, at most {MAX_PLUGIN_DIR_BYTES}"
+    return _absolute(name, value)
+
+
+def _bind_address(_: str, value: str) -> str | None:
+    if not value:
+        return None
+    _, colon, port = value.rpartition(":")
+    if not colon or not port.isdigit() or int(port) > 65535:
+        return f"must be host:port, :port or empty, got {value!r}"
+    return None
+
+
+def _host_root(_: str, value: str) -> str | None:
+    if value and not value.startswith("/"):
+        return f"must be empty or an absolute path, got {value!r}"
+    return None
+
+
+def _resource_name(_: str, value: str) -> str | None:
+    problem = resource_name_problem(value)
+    return f"{value!r} would be rejected by kubelet: {problem}" if problem else None
+
+
+@attrs.frozen
+class Flags:
+    """Every flag, validated; constructing one with a bad value raises UsageError."""
+
+    pcc_device: str = _flag(
+        "--pcc-device", "/dev/sev-guest",
+        "host device node, given to containers as /dev/sev-guest",
+        metavar="PATH", check=_absolute,
+    )  # fmt: skip
+    pcc_socket_path: str = _flag(
+        "--pcc-socket-path", "/var/run/pcc",
+        "host PCC socket directory, mounted read-write at /var/run/pcc",
+        metavar="DIR", check=_absolute,
+    )  # fmt: skip
+    resource_name: str = _flag(
+        "--resource-name", "tke.cloud.tencent.com/pcc-device",
+        "extended resource registered with kubelet",
+        metavar="NAME", check=_resource_name,
+    )  # fmt: skip
+    resource_count: int = _flag(
+        "--resource-count", 16,
+        "shares advertised, i.e. how many containers may use the device at once, "
+        f"1 to {MAX_RESOURCE_COUNT}",
+        metavar="N", check=_count_range(1, MAX_RESOURCE_COUNT),
+    )  # fmt: skip
+    device_plugin_path: str = _flag(
+        "--device-plugin-path", "/var/lib/kubelet/device-plugins",
+        "kubelet's device-plugin socket directory; waited for if missing",
+        metavar="DIR", check=_plugin_dir,
+    )  # fmt: skip
+    host_root: str = _flag(
+        "--host-root", "",
+        "where the host's filesystem is mounted in this container; the device and PCC "
+        "directory are checked under it, kubelet is given the host paths",
+        metavar="DIR", check=_host_root,
+    )  # fmt: skip
+    metrics_bind_address: str = _flag(
+        "--metrics-bind-address", ":8080",
+        "where to serve /metrics, /livez and /readyz: host:port, :port for every address, "
+        "or empty to serve nothing",
+        metavar="ADDRESS", check=_bind_address,
+    )  # fmt: skip
+    pre_start_check: bool = _flag(
+        "--pre-start-check", False,
+        "ask kubelet to call PreStartContainer and check the device and PCC directory "
+        "again before each container starts",
+    )  # fmt: skip
+    config: str = _flag(
+        "--config", "",
+        "YAML file of resources to serve instead of the PCC profile above "
+        "(see docs/profiles.md)",
+        metavar="FILE",
+    )  # fmt: skip
+    cdi: bool = _flag(
+        "--cdi", False,
+        "also write a CDI spec per resource and name CDI devices in Allocate answers",
+    )  # fmt: skip
+    cdi_spec_dir: str = _flag(
+        "--cdi-spec-dir", "/var/run/cdi", "where CDI specs are written",
+        metavar="DIR", check=_absolute,
+    )  # fmt: skip
+    verbosity: int = _flag(
+        "--v", 0,
+        "log verbosity: 0 registrations and errors, 1 each Allocate and registration step, "
+        "2 debug and gRPC internals",
+        metavar="LEVEL", check=_count_range(0, None),
+    )  # fmt: skip
+
+    def pcc_resource(self) -> ResourceSpec:
+        """The resource these flags describe (served unless --config names a file)."""
+        return pcc_resource(
+            self.resource_name, self.resource_count, self.pcc_device, self.pcc_socket_path
+        )
+
+
+FLAG_NAMES = tuple(field.metadata["flag"] for field in attrs.fields(Flags))
+
+
+def usage_error(prog: str, message: str) -> NoReturn:
+    print(f"{prog}: {message} (see --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse says "argument --x: problem"; every other usage error says "--x: problem".
+        usage_error(self.prog, message.removeprefix("argument "))
+
+
+def go_style(argv: Sequence[str]) -> list[str]:
+    """Accept Go's single-dash spelling of our flags (`-v=1`, `-resource-count 8`)."""
+    known = {name.removeprefix("--") for name in (*FLAG_NAMES, "--help", "--version")}
+    normalised: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg == "--":
+            return normalised + list(argv[index:])
+        if arg.startswith("-") and not arg.startswith("--") and arg[1:].split("=", 1)[0] in known:
+            arg = "-" + arg
+        normalised.append(arg)
+    return normalised
+
+
+def _whole_number(name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            return int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+    parse.__name__ = name
+    return parse
+
+
+def build_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, allow_abbrev=False, description=description, epilog=epilog)
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    for field in attrs.fields(Flags):
+        name, help_text = field.metadata["flag"], field.metadata["help"]
+        if field.default is False:
+            parser.add_argument(name, action="store_true", help=f"{help_text} (default: off)")
+            continue
+        shown = field.default if field.default != "" else "none"
+        parser.add_argument(
+            name,
+            dest=field.name,
+            default=field.default,
+            type=_whole_number(name) if isinstance(field.default, int) else str,
+            metavar=field.metadata["metavar"],
+            help=f"{help_text} (default: {shown})",
+        )
+    return parser
+
+
+def parse(argv: Sequence[str], prog: str, description: str, epilog: str) -> tuple[Flags, bool]:
+    """The flags, and whether --version was asked for; usage errors exit 2."""
+    args = vars(build_parser(prog, description, epilog).parse_args(go_style(argv)))
+    wants_version = args.pop("version")
+    try:
+        return Flags(**args), wants_version
+    except UsageError as exc:
+        usage_error(prog, str(exc))
+
+
+def version_text(verbosity: int) -> str:
+    """`pcc-device-plugin <version>`; at --v=1 and above, the versions of the stack too."""
+    text = f"{PROG} {__version__}"
+    if verbosity >= 1:
+        from importlib.metadata import version
+
+        stack = ", ".join(f"{name} {version(name)}" for name in STACK)
+        text += f" (Python {sys.version.split()[0]}; {stack})"
+    return text
+
+
+def resources(config: Flags, prog: str) -> list[ResourceSpec]:
+    """The resources to serve: the file's with --config, else the PCC profile from the flags.
+
+    A bad file is a usage error: one line naming the file and the key.
+    """
+    if not config.config:
+        return [config.pcc_resource()]
+    # Imported only now: the YAML parser is not needed without --config.
+    from pcc_plugin import profiles
+
+    try:
+        return profiles.load(config.config)
+    except profiles.ProfileError as exc:
+        usage_error(prog, str(exc))

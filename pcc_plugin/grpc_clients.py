@@ -1,0 +1,151 @@
+"""gRPC clients: kubelet's Register, and the doctor's probes of kubelet and of a plugin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpclib.client
+import grpclib.const
+import grpclib.exceptions
+
+from pcc_plugin._proto import v1beta1 as api
+from pcc_plugin.bridge import call_asyncio
+
+Status = grpclib.const.Status
+
+# The peer is not there, or went away mid-call.
+_UNREACHABLE = (
+    OSError,
+    grpclib.exceptions.StreamTerminatedError,
+    grpclib.exceptions.ProtocolError,
+)
+
+
+class RegisterFailed(Exception):
+    """Kubelet did not accept the registration; the message says why."""
+
+
+class Unreachable(RegisterFailed):
+    """Kubelet did not answer at all (not listening yet, gone, or too slow)."""
+
+
+async def register(kubelet_socket: Path, request: api.RegisterRequest, deadline: float) -> None:
+    """Call kubelet's Register; raise RegisterFailed with kubelet's reason otherwise.
+
+    The deadline (seconds) travels as grpc-timeout, so kubelet stops waiting too.
+    """
+    channel = grpclib.client.Channel(path=str(kubelet_socket))
+    try:
+        stub = api.RegistrationStub(channel)
+        await call_asyncio(stub.register, request, timeout=deadline)
+    except grpclib.exceptions.GRPCError as exc:
+        raise RegisterFailed(f"kubelet answered {exc.status.name}: {exc.message}") from None
+    except TimeoutError:
+        raise Unreachable(f"kubelet did not answer within {deadline:g} s") from None
+    except _UNREACHABLE as exc:
+        raise Unreachable(f"cannot reach {kubelet_socket}: {exc}") from None
+    finally:
+        channel.close()
+
+
+class CallFailed(Exception):
+    """A device plugin did not answer as kubelet expects; the message says how."""
+
+
+async def probe_unimplemented(socket_path: Path, method: str, deadline: float) -> str | None:
+    """Call `method`, which the server must not offer: None if it answers UNIMPLEMENTED.
+
+    Shows that a gRPC server answers on the socket without changing anything
+    there; otherwise returns what happened instead. The deadline (seconds)
+    travels as grpc-timeout.
+    """
+    channel = grpclib.client.Channel(path=str(socket_path))
+    call = grpclib.client.UnaryUnaryMethod(channel, method, api.Empty, api.Empty)
+    try:
+        await call_asyncio(call, api.Empty(), timeout=deadline)
+    except grpclib.exceptions.GRPCError as exc:
+        if exc.status is Status.UNIMPLEMENTED:
+            return None
+        return f"answered {exc.status.name}: {exc.message}"
+    except TimeoutError:
+        return f"no answer within {deadline:g} s"
+    except _UNREACHABLE as exc:
+        return f"cannot reach {socket_path}: {exc}"
+    finally:
+        channel.close()
+    return f"answered OK to {method}, which it should not offer"
+
+
+async def read_device_plugin(
+    socket_path: Path, deadline: float
+) -> tuple[api.DevicePluginOptions, api.ListAndWatchResponse]:
+    """GetDevicePluginOptions, then ListAndWatch's first device list, as kubelet reads them.
+
+    The stream is closed after its first message. Raises CallFailed naming the step.
+    """
+    channel = grpclib.client.Channel(path=str(socket_path))
+    stub = api.DevicePluginStub(channel)
+    step = "GetDevicePluginOptions"
+    try:
+        options = await call_asyncio(stub.get_device_plugin_options, api.Empty(), timeout=deadline)
+        step = "ListAndWatch"
+        listing = await call_asyncio(_first_listing, channel, deadline)
+    except grpclib.exceptions.GRPCError as exc:
+        raise CallFailed(f"{step} answered {exc.status.name}: {exc.message}") from None
+    except TimeoutError:
+        raise CallFailed(f"{step} got no answer within {deadline:g} s") from None
+    except _UNREACHABLE as exc:
+        raise CallFailed(f"{step} failed: {exc}") from None
+    finally:
+        channel.close()
+    if listing is None:
+        raise CallFailed("ListAndWatch ended without sending a device list")
+    return options, listing
+
+
+async def _first_listing(
+    channel: grpclib.client.Channel, deadline: float
+) -> api.ListAndWatchResponse | None:
+    method = grpclib.client.UnaryStreamMethod(
+        channel, "/v1beta1.DevicePlugin/ListAndWatch", api.Empty, api.ListAndWatchResponse
+    )
+    async with method.open(timeout=deadline) as stream:
+        await stream.send_message(api.Empty(), end=True)
+        listing = await stream.recv_message()
+        if listing is not None:
+            # One list is all we read: end the stream now, not when the channel closes.
+            await stream.cancel()
+    return listing
+
+
+async def follow_list_and_watch(socket_path: Path) -> tuple[bool, str]:
+    """Hold a ListAndWatch stream to the plugin at `socket_path` until it ends.
+
+    Returns whether a device list came (the plugin was alive), and how it ended. A
+    held stream ends the moment the serving process does, however it dies.
+    """
+    channel = grpclib.client.Channel(path=str(socket_path))
+    received: list[bool] = []
+    try:
+        await call_asyncio(_read_until_the_end, channel, received)
+    except grpclib.exceptions.GRPCError as exc:
+        return bool(received), f"its stream ended with {exc.status.name}"
+    except _UNREACHABLE as exc:
+        return bool(received), f"its connection ended ({exc})"
+    except Exception as exc:
+        # Whatever the other end did (it is another process, maybe a dying one), the
+        # stream is over; that is all the caller needs to know.
+        return bool(received), f"its stream failed ({type(exc).__name__}: {exc})"
+    finally:
+        channel.close()
+    return bool(received), "its stream ended"
+
+
+async def _read_until_the_end(channel: grpclib.client.Channel, received: list[bool]) -> None:
+    method = grpclib.client.UnaryStreamMethod(
+        channel, "/v1beta1.DevicePlugin/ListAndWatch", api.Empty, api.ListAndWatchResponse
+    )
+    async with method.open() as stream:
+        await stream.send_message(api.Empty(), end=True)
+        while await stream.recv_message() is not None:
+            received[:] = [True]

@@ -1,0 +1,195 @@
+"""/metrics, /livez and /readyz over HTTP/1.1, parsed by h11, served by trio in the daemon.
+
+The port listens on every address of the pod, so any pod of the cluster can
+reach it: no client may end the daemon, hold it, or crowd out gRPC.
+
+- Each connection is one request and one answer, within `REQUEST_TIMEOUT` in
+  all; a request head over `MAX_REQUEST_HEAD` bytes gets 431.
+- At most `MAX_CONNECTIONS` at once; others are closed at once, with one
+  warning per burst.
+- A connection's end, however abrupt (a reset, a half request), ends only that
+  connection; any other error in it is logged with its traceback and contained.
+- Rendering /metrics takes about 0.2 ms, so a flood of scrapes costs little
+  more than its HTTP (see BENCHMARKS.md for Allocate under a /metrics flood).
+
+Imported only when `--metrics-bind-address` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import h11
+import trio
+
+from pcc_plugin import metrics
+from pcc_plugin.configuration import Configuration
+from pcc_plugin.grpc_server import ACCEPT_RETRY, RESOURCE_ERRORS
+from pcc_plugin.klog import V1, BurstLog
+from pcc_plugin.plugin import DevicePlugin
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_HEAD = 8192
+REQUEST_TIMEOUT = 5.0
+MAX_CONNECTIONS = 16
+_TEXT = "text/plain; charset=utf-8"
+_ENDED = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError)
+
+
+def answer(
+    path: str, plugins: Sequence[DevicePlugin], render_metrics: Callable[[], bytes]
+) -> tuple[int, str, bytes]:
+    """Status, content type and body for GET `path`."""
+    if path == "/metrics":
+        return 200, "text/plain; version=0.0.4; charset=utf-8", render_metrics()
+    if path == "/livez":
+        # Answering at all shows the event loop runs; restarting the plugin
+        # cannot fix a slow kubelet, so nothing else belongs here.
+        return 200, _TEXT, b"ok\n"
+    if path == "/readyz":
+        reasons = [
+            f"{plugin.spec.name}: {reason}"
+            for plugin in plugins
+            if (reason := plugin.stats.not_ready_reason())
+        ]
+        if reasons:
+            return 503, _TEXT, ("\n".join(reasons) + "\n").encode()
+        return 200, _TEXT, b"ok\n"
+    return 404, _TEXT, b"not found: try /metrics, /livez or /readyz\n"
+
+
+class HttpServer:
+    def __init__(
+        self, plugins: Sequence[DevicePlugin], render_metrics: Callable[[], bytes]
+    ) -> None:
+        self._plugins = plugins
+        self._render_metrics = render_metrics
+        self._open = 0
+        self._refused = BurstLog(log, logging.WARNING)
+        self._accept_failed = BurstLog(log, logging.WARNING)
+        self.errors = 0
+
+    async def accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        """Accept connections until cancelled; running out of descriptors is waited out."""
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in RESOURCE_ERRORS:
+                        raise
+                    self._accept_failed.log(
+                        "Cannot accept HTTP connections: %s; retrying", exc.strerror
+                    )
+                    await trio.sleep(ACCEPT_RETRY)
+                    continue
+                nursery.start_soon(self.handle, stream)
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """One connection. Never raises: its error must not end the server."""
+        try:
+            async with stream:
+                if self._open >= MAX_CONNECTIONS:
+                    self._refused.log(
+                        "%d HTTP connections open, the limit: closing new ones", self._open
+                    )
+                    return
+                self._open += 1
+                try:
+                    with trio.fail_after(REQUEST_TIMEOUT):
+                        await self._exchange(stream)
+                finally:
+                    self._open -= 1
+        except (*_ENDED, h11.ProtocolError) as exc:
+            log.log(V1, "HTTP connection ended early: %s", exc or type(exc).__name__)
+        except Exception:
+            self.errors += 1
+            log.exception("HTTP connection failed unexpectedly; closed it")
+
+    async def _exchange(self, stream: trio.SocketStream) -> None:
+        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
+        received = 0
+        while True:
+            try:
+                event = connection.next_event()
+            except h11.RemoteProtocolError as exc:
+                if connection.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                    status = exc.error_status_hint
+                    await self._send(stream, connection, status, _TEXT, f"{exc}\n".encode())
+                return
+            if event is h11.NEED_DATA:
+                if received > MAX_REQUEST_HEAD:
+                    body = f"request head over {MAX_REQUEST_HEAD} bytes\n".encode()
+                    await self._send(stream, connection, 431, _TEXT, body)
+                    return
+                data = await stream.receive_some(MAX_REQUEST_HEAD)
+                received += len(data)
+                connection.receive_data(data)
+                continue
+            if isinstance(event, h11.Request):
+                if received > MAX_REQUEST_HEAD:
+                    body = f"request head over {MAX_REQUEST_HEAD} bytes\n".encode()
+                    await self._send(stream, connection, 431, _TEXT, body)
+                    return
+                break
+            if isinstance(event, h11.ConnectionClosed):
+                return
+        method = event.method.decode("ascii", "replace")
+        path = event.target.decode("ascii", "replace").split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            await self._send(stream, connection, 405, _TEXT, b"only GET and HEAD\n")
+            return
+        status, content_type, body = answer(path, self._plugins, self._render_metrics)
+        await self._send(stream, connection, status, content_type, body, head_only=method == "HEAD")
+
+    @staticmethod
+    async def _send(
+        stream: trio.SocketStream,
+        connection: h11.Connection,
+        status: int,
+        content_type: str,
+        body: bytes,
+        *,
+        head_only: bool = False,
+    ) -> None:
+        headers = [
+            ("Content-Type", content_type),
+            ("Content-Length", str(len(body))),
+            ("Connection", "close"),
+        ]
+        data = connection.send(h11.Response(status_code=status, headers=headers)) or b""
+        if not head_only:
+            data += connection.send(h11.Data(data=body)) or b""
+        data += connection.send(h11.EndOfMessage()) or b""
+        await stream.send_all(data)
+
+
+async def serve(
+    bind_address: str,
+    plugins: Sequence[DevicePlugin],
+    configuration: Configuration,
+    *,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled; hands back the bound (address, port) pairs once listening.
+
+    A bind failure is one warning, and the plugin goes on without metrics or probes.
+    """
+    host, _, port = bind_address.rpartition(":")
+    registry = metrics.registry(plugins, configuration)
+    try:
+        listeners = await trio.open_tcp_listeners(int(port), host=host.strip("[]") or None)
+    except OSError as exc:
+        log.warning(
+            "Metrics and probes are off: cannot listen on %s: %s", bind_address, exc.strerror
+        )
+        task_status.started([])
+        return
+    bound = [listener.socket.getsockname()[:2] for listener in listeners]
+    server = HttpServer(plugins, lambda: metrics.render(registry))
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(server.accept, listener, nursery)
+        task_status.started(bound)

@@ -1,0 +1,89 @@
+"""inotify, driven by trio: open an instance, wait for events, wait for a directory.
+
+asyncinotify's async API needs asyncio's loop, so trio waits for the fd to be
+readable and then drains every pending event: a kubelet restart arrives as
+several events in one read, and missing the last one (kubelet.sock created)
+would leave the node at 0 allocatable.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import trio
+from asyncinotify import Event, InitFlags, Inotify, Mask
+
+from pcc_plugin.errors import FatalError
+from pcc_plugin.fs import nearest_existing_dir
+
+log = logging.getLogger(__name__)
+
+DIR_GONE = Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED | Mask.UNMOUNT
+APPEARED = Mask.CREATE | Mask.MOVED_TO
+VANISHED = Mask.DELETE | Mask.MOVED_FROM
+
+
+@contextmanager
+def open_inotify() -> Iterator[Inotify]:
+    try:
+        # asyncinotify's InitFlags.NONBLOCK is really O_CLOEXEC: without a true
+        # O_NONBLOCK, draining an empty queue would block the whole trio thread.
+        inotify = Inotify(flags=InitFlags.CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.EMFILE:
+            raise FatalError(
+                "cannot create an inotify instance: the per-user limit is reached; "
+                "raise it with sysctl fs.inotify.max_user_instances"
+            ) from None
+        raise
+    try:
+        yield inotify
+    finally:
+        trio.lowlevel.notify_closing(inotify.fd)
+        inotify.close()
+
+
+async def next_events(inotify: Inotify) -> list[Event]:
+    """Wait for events, then return all that are pending."""
+    await trio.lowlevel.wait_readable(inotify.fd)
+    events: list[Event] = []
+    while True:
+        try:
+            event = inotify.sync_get()
+        except BlockingIOError:
+            return events
+        if event is not None:
+            events.append(event)
+
+
+def _announce_wait(path: Path) -> None:
+    if path.exists():
+        log.warning("Waiting for %s to be a directory: it is a file now", path)
+    else:
+        log.info("Waiting for %s to be created (kubelet creates it at start)", path)
+
+
+async def wait_for_directory(path: Path) -> None:
+    """Return once `path` is a directory, watching its nearest existing ancestor meanwhile."""
+    announced = False
+    while True:
+        with open_inotify() as inotify:
+            ancestor = nearest_existing_dir(path)
+            if ancestor == path:
+                return
+            if not announced:
+                _announce_wait(path)
+                announced = True
+            try:
+                inotify.add_watch(ancestor, APPEARED | DIR_GONE | Mask.ONLYDIR)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            # Watch first, then look: whatever is created after this is an event.
+            if nearest_existing_dir(path) != ancestor:
+                continue
+            await next_events(inotify)

@@ -1,0 +1,87 @@
+"""`pcc-device-plugin`: start the daemon (or, with `doctor` first, check the node).
+
+Exit codes: 0 after SIGTERM/SIGINT; 1 when the device or PCC directory is not
+there or the daemon cannot go on; 2 for usage errors; 128+N when a second
+signal N forces the exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from pcc_plugin import flags, klog
+from pcc_plugin.klog import V1
+from pcc_plugin.resource import health_problem
+
+log = logging.getLogger("pcc_plugin")
+
+DESCRIPTION = (
+    "Kubernetes device plugin for AMD SEV-SNP nodes: advertises shares of the "
+    "guest device and gives each container the device and the PCC socket directory."
+)
+EPILOG = (
+    "`pcc-device-plugin doctor [flags]` checks a node with the same flags. "
+    "Flags also take Go's single-dash spelling (-v=1, -resource-count 8). "
+    "Exit codes: 0 stopped by SIGTERM/SIGINT; 1 device or PCC directory missing, "
+    "or a fatal error; 2 usage error; 130/143 forced by a second signal."
+)
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "doctor":
+        from pcc_plugin.doctor import cli
+
+        cli.main(argv[1:])
+    config, wants_version = flags.parse(argv, flags.PROG, DESCRIPTION, EPILOG)
+    if wants_version:
+        print(flags.version_text(config.verbosity))
+        sys.exit(0)
+    klog.configure(config.verbosity)
+    specs = flags.resources(config, flags.PROG)
+    if not config.config:
+        problem = health_problem(specs[0], config.host_root)
+        if problem:
+            log.error("%s", problem)
+            sys.exit(1)
+    raise_open_file_limit()
+    # Imported only now: `--help` and usage errors stay fast.
+    import trio
+
+    from pcc_plugin import supervisor
+    from pcc_plugin.errors import FatalError
+
+    try:
+        trio.run(supervisor.run, config, specs)
+    except* FatalError as group:
+        for error in _leaves(group):
+            log.error("%s", error)
+        sys.exit(1)
+    sys.exit(0)
+
+
+def raise_open_file_limit() -> None:
+    """Raise the soft limit on open files to the hard one, as Go programs do at start.
+
+    The soft limit is often 1,024; connections beyond what the plugin keeps
+    are closed at once, but a flood should meet the kernel's limit, not ours.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as exc:
+            log.log(V1, "Open files: soft limit %d, hard %d; cannot raise it: %s", soft, hard, exc)
+            return
+    log.log(V1, "Open files: soft limit %d (was %d), hard limit %d", hard, soft, hard)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return leaves

@@ -1,0 +1,145 @@
+"""Kubelet's device-plugin directory: our socket names in it, and what happens to it.
+
+Kubelet deletes every socket there when it restarts and then creates a new
+kubelet.sock; the watcher below turns those events into a restart of the
+current generation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+from asyncinotify import Event, Mask
+
+from pcc_plugin.fs import Identity, connect_error, identity
+from pcc_plugin.inotify import APPEARED, DIR_GONE, VANISHED, next_events, open_inotify
+from pcc_plugin.klog import V1
+
+log = logging.getLogger(__name__)
+
+KUBELET_SOCKET = "kubelet.sock"
+
+
+class SocketNames:
+    """Fresh socket names, `<prefix>-<pid>-<token>-<n>.sock`.
+
+    Pods of a DaemonSet often share a PID (1) across a rolling update; the
+    random token keeps two instances from ever choosing the same name.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.stem = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._counter = itertools.count()
+
+    def __next__(self) -> str:
+        return f"{self.stem}-{next(self._counter)}.sock"
+
+
+def is_own_socket(prefix: str, name: str) -> bool:
+    """Whether `name` is one of the names SocketNames gives for `prefix`, by any instance."""
+    pattern = rf"{re.escape(prefix)}-\d+-[0-9a-f]+-\d+\.sock"
+    return re.fullmatch(pattern, name) is not None
+
+
+def accepts_connections(path: Path) -> bool:
+    # Anything but a refusal or a vanished file: assume alive and keep it.
+    return not isinstance(connect_error(path), ConnectionRefusedError | FileNotFoundError)
+
+
+def remove_stale_sockets(plugin_dir: Path, prefix: str, keep: str) -> None:
+    """Remove sockets of this naming that nothing serves any more."""
+    for entry in os.scandir(plugin_dir):
+        if entry.name == keep or not is_own_socket(prefix, entry.name):
+            continue
+        path = plugin_dir / entry.name
+        if not stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+            continue
+        if accepts_connections(path):
+            log.log(V1, "Leaving %s: another instance serves it", path)
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        log.info("Removed stale socket %s", path)
+
+
+def restart_reason(
+    events: list[Event], plugin_dir: Path, endpoint: str, own: Identity
+) -> str | None:
+    """Why a batch of events calls for a restart, or None; logs what it sees.
+
+    Our socket is known by its identity, not its name: deleted, or replaced by
+    a file or by someone else's socket, it is no longer ours to serve on.
+    """
+    kubelet_socket = plugin_dir / KUBELET_SOCKET
+    names: dict[str, Mask] = {}
+    for event in events:
+        if event.name is not None:
+            names[str(event.name)] = names.get(str(event.name), Mask(0)) | event.mask
+    if any(event.mask & DIR_GONE for event in events) or not plugin_dir.is_dir():
+        log.warning("inotify: %s was removed, waiting for it to come back.", plugin_dir)
+        return "device-plugin directory removed"
+    if any(event.mask & Mask.Q_OVERFLOW for event in events):
+        log.warning("inotify: event queue overflowed, restarting to resynchronise.")
+        return "inotify queue overflow"
+    # Anything new at kubelet.sock restarts, so the registration looks at it
+    # afresh (and reports a file that is not a socket); gone again: nothing.
+    if names.get(KUBELET_SOCKET, Mask(0)) & APPEARED and kubelet_socket.exists():
+        log.info("inotify: %s created, restarting.", kubelet_socket)
+        return "kubelet restarted"
+    if endpoint in names:
+        reason = own_socket_problem(plugin_dir / endpoint, own)
+        if reason:
+            log.warning("inotify: own socket %s %s, restarting.", plugin_dir / endpoint, reason)
+            return f"own socket {reason}"
+    if names.get(KUBELET_SOCKET, Mask(0)) & VANISHED:
+        log.log(V1, "inotify: %s removed; waiting for kubelet to create it.", kubelet_socket)
+    return None
+
+
+def own_socket_problem(path: Path, own: Identity) -> str | None:
+    now = identity(path)
+    if now == own:
+        return None
+    return "was removed" if now is None else "was replaced by another file"
+
+
+async def watch_plugin_dir(
+    plugin_dir: Path,
+    endpoint: str,
+    own: Identity,
+    restart: Callable[[str], None],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Call `restart(reason)` when kubelet restarts, our socket goes, or the directory goes.
+
+    Started once the watch is in place and our socket was seen still ours, so
+    whatever happens after that is seen. Events are hints: the state is looked
+    up again before acting on them.
+    """
+    with open_inotify() as inotify:
+        try:
+            inotify.add_watch(plugin_dir, APPEARED | VANISHED | DIR_GONE | Mask.ONLYDIR)
+        except (FileNotFoundError, NotADirectoryError):
+            task_status.started()
+            restart(f"{plugin_dir} disappeared")
+            return
+        task_status.started()
+        # Watch first, then look: a change before the watch is caught here.
+        reason = own_socket_problem(plugin_dir / endpoint, own)
+        if reason:
+            restart(f"own socket {reason}")
+        while True:
+            reason = restart_reason(await next_events(inotify), plugin_dir, endpoint, own)
+            if reason:
+                restart(reason)

@@ -1,0 +1,103 @@
+"""Two instances of one resource at once, as in a rolling update with maxSurge.
+
+Kubelets before 1.35 keep one client per resource name: the instance that
+registered last replaces the one before, and when the newest one's stream
+ends, kubelet marks the resource unhealthy without a word to the older
+instance, whose stream stays open and silent. So each instance follows every
+instance of its resource that registers after it: it holds a ListAndWatch
+stream to that instance's socket, which ends the moment that process goes,
+however it goes; then it registers again. Newer kubelets keep a client per
+socket and need none of this; registering again costs them nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+from asyncinotify import Mask
+
+from pcc_plugin import grpc_clients
+from pcc_plugin.inotify import APPEARED, next_events, open_inotify
+from pcc_plugin.klog import V1
+from pcc_plugin.plugin_dir import accepts_connections, is_own_socket
+from pcc_plugin.registration import KubeletLink
+
+log = logging.getLogger(__name__)
+
+# A followed instance still serving after its stream to us ended (it may have
+# closed an idle-looking connection): follow it again, at most this often.
+REFOLLOW_AFTER = 1.0
+SUPERSEDER_GONE = "the instance that registered after this one is gone"
+
+
+async def follow_newer_instances(
+    plugin_dir: Path,
+    prefix: str,
+    own_stem: str,
+    link: KubeletLink,
+    restart: Callable[[str], None],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Follow each socket of this resource that another instance creates once our Register
+    was sent; when one's process is gone, `restart` (and so register again)."""
+    with open_inotify() as inotify:
+        inotify.add_watch(plugin_dir, APPEARED | Mask.ONLYDIR)
+        task_status.started()
+        followed: set[str] = set()
+        async with trio.open_nursery() as nursery:
+            while True:
+                for event in await next_events(inotify):
+                    name = str(event.name) if event.name is not None else ""
+                    if (
+                        link.register != "not sent"
+                        and is_own_socket(prefix, name)
+                        and not name.startswith(own_stem)
+                        and name not in followed
+                    ):
+                        followed.add(name)
+                        nursery.start_soon(follow, plugin_dir / name, restart)
+
+
+async def follow(path: Path, restart: Callable[[str], None]) -> None:
+    """Until the instance behind `path` serves no socket any more; then `restart`.
+
+    Registering again when a newer instance was never registered costs one
+    Register call; failing to when it was leaves the node at 0 allocatable.
+    """
+    log.log(V1, "Following %s, which registers after this instance", path.name)
+    while True:
+        alive, how = await grpc_clients.follow_list_and_watch(path)
+        if not instance_serves(path):
+            log.warning("%s (%s, %s); registering again", SUPERSEDER_GONE, path.name, how)
+            restart(SUPERSEDER_GONE)
+            return
+        if not _exists(path):
+            return  # it serves on a new socket, which is followed in its turn
+        if not alive:
+            # Not answering yet (it binds before it listens), or refusing us for now.
+            # A killed process's connections may also close a moment before its listener.
+            log.log(V1, "Following %s again (%s)", path.name, how)
+            await trio.sleep(REFOLLOW_AFTER)
+
+
+def _exists(path: Path) -> bool:
+    return path.exists()
+
+
+def instance_serves(path: Path) -> bool:
+    """Whether the instance behind `path` serves any socket: after a restart of its own
+    (kubelet restarted, say) it serves a new one, `<prefix>-<pid>-<token>-<n+1>.sock`."""
+    stem = path.name.rsplit("-", 1)[0] + "-"
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return False  # the directory went: this generation restarts anyway
+    return any(
+        accepts_connections(entry)
+        for entry in entries
+        if entry.name.startswith(stem) and entry.name.endswith(".sock")
+    )

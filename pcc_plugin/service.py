@@ -1,0 +1,164 @@
+"""The DevicePlugin service: kubelet's five calls, read strictly, answered by a DevicePlugin.
+
+Requests are read by `wire` within limits that follow the resource: an
+Allocate names at most as many device IDs as the resource advertises, in at
+most `MAX_CONTAINER_REQUESTS` container requests (kubelet sends one). Client
+mistakes are INVALID_ARGUMENT, a gone device FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpclib.const
+import grpclib.exceptions
+
+from pcc_plugin import wire
+from pcc_plugin._proto import v1beta1 as api
+from pcc_plugin.grpc_server import Call, MethodSpec
+from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError
+from pcc_plugin.registration import KubeletLink
+from pcc_plugin.resource import Grant
+
+log = logging.getLogger(__name__)
+
+Status = grpclib.const.Status
+GRPCError = grpclib.exceptions.GRPCError
+
+SERVICE = "/v1beta1.DevicePlugin/"
+# Kubelet sends one container request per Allocate; a pod is far from this many.
+MAX_CONTAINER_REQUESTS = 128
+
+
+class DevicePluginService:
+    """The gRPC methods of one resource, for one generation (one socket)."""
+
+    def __init__(self, plugin: DevicePlugin, link: KubeletLink) -> None:
+        self._plugin = plugin
+        self._link = link
+        self._options = bytes(plugin.options())
+
+    def methods(self) -> dict[str, MethodSpec]:
+        return {
+            SERVICE + "GetDevicePluginOptions": MethodSpec(self.get_device_plugin_options),
+            SERVICE + "ListAndWatch": MethodSpec(self.list_and_watch, streaming=True),
+            SERVICE + "GetPreferredAllocation": MethodSpec(self.get_preferred_allocation),
+            SERVICE + "Allocate": MethodSpec(self.allocate),
+            SERVICE + "PreStartContainer": MethodSpec(self.pre_start_container),
+        }
+
+    def on_error(self, where: str, error: BaseException) -> None:
+        """A bug showed (in a handler or a connection): say so at every verbosity, and count it."""
+        where = where.removeprefix(SERVICE)
+        self._plugin.stats.handler_errors[where] += 1
+        log.error("%s: %s failed unexpectedly", self._plugin.spec.name, where, exc_info=error)
+
+    async def get_device_plugin_options(self, call: Call) -> None:
+        await _read(call, wire.EMPTY, "Empty")
+        self._link.options_called(call.connection)
+        await call.send(self._options)
+
+    async def list_and_watch(self, call: Call) -> None:
+        await _read(call, wire.EMPTY, "Empty")
+        is_kubelet = self._link.stream_opened(call.connection)
+        try:
+            await self._plugin.feed.stream(call.send)
+        finally:
+            self._link.stream_closed(is_kubelet)
+
+    async def get_preferred_allocation(self, call: Call) -> None:
+        await _read(call, wire.PREFERRED_ALLOCATION_REQUEST, "PreferredAllocationRequest")
+        raise GRPCError(
+            Status.UNIMPLEMENTED,
+            "GetPreferredAllocation is not offered: every share is the same device",
+        )
+
+    async def allocate(self, call: Call) -> None:
+        data = await call.receive()
+        advertised = len(self._plugin.devices)
+        try:
+            containers = wire.read_allocate_request(data, MAX_CONTAINER_REQUESTS, advertised)
+        except wire.WireError as exc:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, f"cannot decode AllocateRequest: {exc}"
+            ) from None
+        except wire.TooManyContainers:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT,
+                f"AllocateRequest has more than {MAX_CONTAINER_REQUESTS} container requests",
+            ) from None
+        except wire.TooMany:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT,
+                f"AllocateRequest names more device IDs than the {advertised} "
+                f"{self._plugin.spec.name} advertises",
+            ) from None
+        try:
+            grants = self._plugin.allocate(containers)
+        except RequestError as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+        except DeviceUnavailable as exc:
+            raise GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
+        await call.send(encode_allocate_response(grants))
+
+    async def pre_start_container(self, call: Call) -> None:
+        data = await call.receive()
+        advertised = len(self._plugin.devices)
+        try:
+            device_ids = wire.read_device_ids(data, advertised)
+        except wire.WireError as exc:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, f"cannot decode PreStartContainerRequest: {exc}"
+            ) from None
+        except wire.TooMany:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT,
+                f"PreStartContainerRequest names more device IDs than the {advertised} "
+                f"{self._plugin.spec.name} advertises",
+            ) from None
+        try:
+            self._plugin.pre_start_container(device_ids)
+        except RequestError as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+        except DeviceUnavailable as exc:
+            raise GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
+        await call.send(b"")
+
+
+async def _read(call: Call, schema: wire.Schema, name: str) -> bytes:
+    data = await call.receive()
+    try:
+        wire.check(data, schema)
+    except wire.WireError as exc:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from None
+    return data
+
+
+def encode_allocate_response(grants: list[Grant]) -> bytes:
+    return bytes(
+        api.AllocateResponse(
+            container_responses=[
+                api.ContainerAllocateResponse(
+                    devices=[
+                        api.DeviceSpec(
+                            container_path=node.container_path,
+                            host_path=node.host_path,
+                            permissions=node.permissions,
+                        )
+                        for node in given.device_nodes
+                    ],
+                    mounts=[
+                        api.Mount(
+                            container_path=mount.container_path,
+                            host_path=mount.host_path,
+                            read_only=mount.read_only,
+                        )
+                        for mount in given.mounts
+                    ],
+                    envs=dict(given.envs),
+                    cdi_devices=[api.CdiDevice(name=name) for name in given.cdi_devices],
+                )
+                for given in grants
+            ]
+        )
+    )

@@ -1,0 +1,75 @@
+"""What the simulated kubelet keeps: its clients of plugins, resources and registrations."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+import attrs
+
+
+class NoPluginError(LookupError):
+    """No connected device plugin serves the resource."""
+
+
+class Message(Protocol):
+    def SerializeToString(self) -> bytes: ...
+
+
+@attrs.frozen
+class PluginOptions:
+    pre_start_required: bool
+    get_preferred_allocation_available: bool
+
+
+@attrs.frozen
+class Registration:
+    """One answered Register call, as the simulator saw it."""
+
+    version: str
+    endpoint: str
+    resource_name: str
+    accepted: bool
+    # Why Register failed, or (legacy mode) why the dial after an accepted Register failed.
+    error: str | None
+    # Read back from the plugin with GetDevicePluginOptions; None until read, or if it failed.
+    options: PluginOptions | None
+    received_at: float
+    # When the answer was decided (time.monotonic()): for a current kubelet, after the dial.
+    answered_at: float = 0.0
+
+
+@attrs.define(eq=False)
+class PluginClient:
+    """Kubelet's connection to one registered plugin socket."""
+
+    resource: str
+    endpoint: str
+    channel: Any
+    list_and_watch: Any = None
+    thread: threading.Thread | None = None
+    streaming: bool = False
+    # The latest device list this client sent, for promotion (current kubelets).
+    devices: dict[str, str] = attrs.Factory(dict)
+    connected: bool = True
+    # Set when the simulated kubelet itself goes down: the stream's end is then not "unexpected".
+    kubelet_stopping: bool = False
+
+
+@attrs.define
+class ResourceState:
+    devices: dict[str, str] = attrs.Factory(dict)
+    messages: int = 0
+    active: PluginClient | None = None
+
+
+class DialError(Exception):
+    pass
+
+
+def as_is(data: bytes) -> bytes:
+    return data
+
+
+def serialize(message: Message) -> bytes:
+    return message.SerializeToString()

@@ -1,0 +1,102 @@
+"""Kubelet's directory: our socket names, stale sockets, and what calls for a restart."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from asyncinotify import Event, Mask
+
+from pcc_plugin.fs import identity
+from pcc_plugin.plugin_dir import (
+    SocketNames,
+    is_own_socket,
+    remove_stale_sockets,
+    restart_reason,
+)
+
+
+def bind_socket(path: Path) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    return listener
+
+
+def test_socket_names_are_fresh_and_recognised() -> None:
+    names = SocketNames("pcc")
+    first, second = next(names), next(names)
+    assert first != second
+    assert is_own_socket("pcc", first)
+    assert is_own_socket("pcc", second)
+    assert not is_own_socket("pcc", "kubelet.sock")
+    assert not is_own_socket("pcc", "pcc-other.sock")
+    assert not is_own_socket("pcc", next(SocketNames("disk")))
+
+
+def test_stale_sockets_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    with bind_socket(tmp_path / "pcc-1-aa-0.sock"):
+        pass  # closed without unlinking: nothing serves it
+    live = bind_socket(tmp_path / "pcc-2-bb-0.sock")
+    live.listen()
+    with bind_socket(tmp_path / "nvidia.sock"), live:
+        (tmp_path / "pcc-3-cc-0.sock").write_text("not a socket")
+        remove_stale_sockets(tmp_path, "pcc", keep="pcc-9-ff-0.sock")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "nvidia.sock",
+            "pcc-2-bb-0.sock",
+            "pcc-3-cc-0.sock",
+        ]
+
+
+def event(name: str | None, mask: Mask) -> Event:
+    return Event(watch=None, mask=mask, cookie=0, name=Path(name) if name else None)
+
+
+def test_restart_reasons(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    own_name = "pcc-1-aa-0.sock"
+    with bind_socket(tmp_path / own_name):
+        own = identity(tmp_path / own_name)
+        assert own is not None
+        checkpoint = [event("kubelet_internal_checkpoint", Mask.CREATE)]
+        assert restart_reason(checkpoint, tmp_path, own_name, own) is None
+        # kubelet.sock created and gone again in one batch: nothing to register with yet.
+        created = [event("kubelet.sock", Mask.DELETE), event("kubelet.sock", Mask.CREATE)]
+        assert restart_reason(created, tmp_path, own_name, own) is None
+        with bind_socket(tmp_path / "kubelet.sock"):
+            assert restart_reason(created, tmp_path, own_name, own) == "kubelet restarted"
+            assert f"inotify: {tmp_path}/kubelet.sock created, restarting." in caplog.messages
+            moved = [event("kubelet.sock", Mask.MOVED_TO)]
+            assert restart_reason(moved, tmp_path, own_name, own) == "kubelet restarted"
+        # Our own socket, still ours: an event about its name is no reason.
+        assert restart_reason([event(own_name, Mask.CREATE)], tmp_path, own_name, own) is None
+    overflow = [event(None, Mask.Q_OVERFLOW)]
+    assert restart_reason(overflow, tmp_path, own_name, own) == "inotify queue overflow"
+    gone = [event(None, Mask.DELETE_SELF)]
+    assert restart_reason(gone, tmp_path, own_name, own) == "device-plugin directory removed"
+    assert restart_reason([], tmp_path / "gone", own_name, own) == (
+        "device-plugin directory removed"
+    )
+
+
+@pytest.mark.parametrize("replacement", ["nothing", "a regular file", "another socket"])
+def test_own_socket_is_known_by_identity_not_name(tmp_path: Path, replacement: str) -> None:
+    own_name = "pcc-1-aa-0.sock"
+    path = tmp_path / own_name
+    with bind_socket(path):
+        own = identity(path)
+        assert own is not None
+        os.unlink(path)
+        if replacement == "a regular file":
+            path.write_text("")
+        events = [event(own_name, Mask.DELETE), event(own_name, Mask.CREATE)]
+        if replacement == "another socket":
+            with bind_socket(path):
+                reason = restart_reason(events, tmp_path, own_name, own)
+        else:
+            reason = restart_reason(events, tmp_path, own_name, own)
+    expected = "was removed" if replacement == "nothing" else "was replaced by another file"
+    assert reason == f"own socket {expected}"

@@ -1,0 +1,171 @@
+"""``python -m e2e``: run the e2e (``nox -s e2e`` does, with the image archive).
+
+    PYTHONPATH=tools python -m e2e --plugin-image build/images/pcc-device-plugin-linux-amd64.tar
+    PYTHONPATH=tools python -m e2e preflight     # root and the tools, nothing else
+
+Outside the namespaces: checks, the kubelet binary (cached or built), the pause image, a state
+directory, then ``unshare ... python -m e2e inside`` and the clean-up after it. Logs go to
+``build/e2e/logs-<UTC time>/`` (containerd.log, kubelet.log, and on failure pods/ with every
+container's log as kubelet kept it); they are removed after a run that passed, unless
+``--keep-logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ("containerd", "runc", "ctr", "unshare", "mount", "ip", "kubectl", "go")
+CGROUPS = Path("/sys/fs/cgroup")
+
+
+def preflight() -> list[str]:
+    problems = [f"{tool} is not on PATH" for tool in TOOLS if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        problems.append("needs root")
+    return problems
+
+
+def _image_references(archive: Path) -> list[str]:
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("manifest.json")
+        assert member is not None, f"{archive}: no manifest.json (not a docker-archive)"
+        manifest = json.load(member)
+    tags: list[str] = [tag for image in manifest for tag in image.get("RepoTags") or []]
+    if not tags:
+        raise SystemExit(f"{archive}: the image has no name (RepoTags); save it with a tag")
+    return tags
+
+
+def _cgroups() -> set[Path]:
+    """runc's cgroups for containerd's k8s.io namespace, in every hierarchy (v1 and v2)."""
+    patterns = ("k8s.io", "k8s.io/*", "*/k8s.io", "*/k8s.io/*")
+    return {path for pattern in patterns for path in CGROUPS.glob(pattern) if path.is_dir()}
+
+
+def _remove_new_cgroups(before: set[Path]) -> None:
+    for path in sorted(_cgroups() - before, key=lambda p: len(p.parts), reverse=True):
+        try:
+            path.rmdir()
+        except OSError as error:
+            print(f"e2e: left {path}: {error}", file=sys.stderr)
+
+
+def _wait_interruptibly(process: subprocess.Popen[bytes], grace: float = 120) -> int:
+    """Wait for the namespace's harness; on Ctrl-C it cleans up itself, given `grace` seconds."""
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"e2e: interrupted; waiting up to {grace:.0f} s for the clean-up", file=sys.stderr)
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import images, kubelet_build
+
+    problems = preflight()
+    if problems:
+        raise SystemExit("e2e: " + "; ".join(problems) + " (see docs/e2e.md)")
+    started = time.monotonic()
+    kubelet = kubelet_build.ensure(lambda line: print(f"e2e: {line}", flush=True))
+    version = subprocess.run([kubelet, "--version"], capture_output=True, text=True, check=True)
+    print(f"e2e: {kubelet}: {version.stdout.strip()}", flush=True)
+    pause, pause_reference = images.pause_archive()
+    plugin_archive = Path(args.plugin_image).resolve()
+    plugin_references = _image_references(plugin_archive)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    logs = ROOT / "build" / "e2e" / f"logs-{stamp}"
+    logs.mkdir(parents=True)
+    state = Path(tempfile.mkdtemp(prefix="pcc-e2e-", dir="/tmp"))
+    cgroups_before = _cgroups()
+    print(f"e2e: setup took {time.monotonic() - started:.0f} s; logs in {logs}", flush=True)
+    argv = [
+        "unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
+        "--net", "--kill-child",
+        sys.executable, "-m", "e2e", "inside", "--state", str(state), "--logs", str(logs),
+        "--kubelet", str(kubelet), "--pause-image", str(pause), "--pause-reference",
+        pause_reference, "--plugin-image", str(plugin_archive), "--plugin-reference",
+        plugin_references[0], *(f"--variant={v}" for v in args.variant or ()),
+    ]  # fmt: skip
+    code = 1
+    try:
+        code = _wait_interruptibly(subprocess.Popen(argv, env=dict(os.environ)))
+    finally:
+        _remove_new_cgroups(cgroups_before)
+        try:
+            state.rmdir()
+        except OSError as error:
+            print(f"e2e: left {state}: {error}", file=sys.stderr)
+        if code == 0 and not args.keep_logs:
+            shutil.rmtree(logs)
+        else:
+            print(f"e2e: logs kept in {logs}", file=sys.stderr)
+    print(f"e2e: {'passed' if code == 0 else 'FAILED'} in {time.monotonic() - started:.0f} s")
+    return code
+
+
+def inside(args: argparse.Namespace) -> int:
+    import trio
+
+    from . import harness
+
+    return trio.run(harness.main, args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m e2e",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command")
+    commands.add_parser("preflight", help="check root and the tools; change nothing")
+    for name in ("run", "inside"):
+        command = commands.add_parser(name)
+        command.add_argument("--plugin-image", required=True, help="docker-archive tarball")
+        command.add_argument(
+            "--variant", action="append", choices=("plugin", "plugin-hardened"),
+            help="run only this pod template (repeatable; default: both)",
+        )  # fmt: skip
+    commands.choices["run"].add_argument("--keep-logs", action="store_true")
+    inner = commands.choices["inside"]
+    for option in ("--state", "--logs", "--kubelet", "--pause-image", "--pause-reference",
+                   "--plugin-reference"):  # fmt: skip
+        inner.add_argument(option, required=True)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments and arguments[0].startswith("--"):
+        arguments.insert(0, "run")
+    args = parser.parse_args(arguments)
+    if args.command == "preflight":
+        problems = preflight()
+        for problem in problems:
+            print(f"e2e preflight: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+    if args.command == "inside":
+        return inside(args)
+    if args.command == "run":
+        return run(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+module pcc.local/e2e-pause
+
+go 1.22

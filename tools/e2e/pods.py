@@ -1,0 +1,68 @@
+"""Static pods rendered from the shipped kustomizations, through ``manifests/this-machine``.
+
+``kubectl kustomize tools/e2e/manifests/<name>`` renders the shipped base, the hardened overlay or
+the confidential-app example with the one component that says what differs on the e2e node. A
+DaemonSet becomes a static pod as the DaemonSet controller makes its pods: the pod template's
+metadata and spec as they are, the DaemonSet's name and namespace. Other kinds (the
+ServiceAccount) have no meaning to a standalone kubelet and are dropped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+Obj = dict[str, Any]
+
+MANIFESTS = Path(__file__).resolve().parent / "manifests"
+PLUGIN_CONTAINER = "pcc-device-plugin"
+CONSUMER_CONTAINER = "app"
+
+
+def render(name: str) -> list[Obj]:
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(MANIFESTS / name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"kubectl kustomize {MANIFESTS / name}: {result.stderr.strip()}")
+    return [obj for obj in yaml.safe_load_all(result.stdout) if obj]
+
+
+def _the(objects: list[Obj], kind: str) -> Obj:
+    (found,) = (obj for obj in objects if obj["kind"] == kind)
+    return found
+
+
+def plugin_pod(name: str) -> Obj:
+    """The plugin's static pod from the DaemonSet that `name` (plugin, plugin-hardened) renders."""
+    daemonset = _the(render(name), "DaemonSet")
+    template = daemonset["spec"]["template"]
+    metadata = {
+        "name": daemonset["metadata"]["name"],
+        "namespace": daemonset["metadata"]["namespace"],
+        **{key: template["metadata"][key] for key in ("labels", "annotations")},
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
+
+
+def consumer_pod(namespace: str, name: str) -> Obj:
+    """The confidential-app example, named `name` in `namespace`."""
+    pod = _the(render("consumer"), "Pod")
+    pod["metadata"]["name"] = name
+    pod["metadata"]["namespace"] = namespace
+    return pod
+
+
+def images(pod: Obj) -> set[str]:
+    return {container["image"] for container in pod["spec"]["containers"]}
+
+
+def dump(pod: Obj) -> str:
+    return yaml.safe_dump(pod, sort_keys=False)
