@@ -25,6 +25,7 @@ import dataclasses
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -83,9 +84,16 @@ NATIVE = next((a for a in ARCHES.values() if os.uname().machine in (a.machine, a
 
 
 def version() -> str:
+    """The project's version: pyproject's, or pcc_plugin.__version__ when it is dynamic."""
     with (ROOT / "pyproject.toml").open("rb") as f:
-        project_version: str = tomllib.load(f)["project"]["version"]
-    return project_version
+        project = tomllib.load(f)["project"]
+    if "version" in project:
+        return str(project["version"])
+    found = re.search(
+        r'^__version__ = "([^"]+)"$', (ROOT / "pcc_plugin" / "__init__.py").read_text(), re.M
+    )
+    assert found, "pcc_plugin/__init__.py has no __version__ line"
+    return found[1]
 
 
 def arch_tag(arch: Arch) -> str:
