@@ -33,10 +33,32 @@ def install_dev(session: nox.Session) -> None:
     session.install("--no-deps", "-e", ".")
 
 
+# Tests mostly wait on daemons and sockets, so more workers than cores still pay.
+TEST_WORKERS = "4"
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
+    """Unit and integration tests: the real daemon against the simulated kubelet.
+
+    Not here, each in a session of its own: the manifest schema matrix (manifests), restart
+    storms, floods and fuzzing (slow), the image (image), a real kubelet (e2e).
+    """
     install_dev(session)
-    session.run("pytest", *session.posargs)
+    session.log("covers: flags, wire format, gRPC server limits, registration, restarts, "
+                "health, metrics, doctor, profiles, CDI, live configuration, signals, rollouts "
+                "(slow layers: nox -s slow manifests image e2e)")  # fmt: skip
+    session.run(
+        "pytest", "-n", TEST_WORKERS, "-m", "not slow", "--ignore=tests/test_manifests.py",
+        *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """Restart storms (300 kubelet restarts), connection floods, memory bounds, fuzzing."""
+    install_dev(session)
+    session.run("pytest", "-n", TEST_WORKERS, "-m", "slow", *session.posargs)
 
 
 @nox.session
@@ -56,7 +78,7 @@ def typecheck(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The daemon against the simulated kubelet on a fake node, told in plain words."""
     install_dev(session)
-    session.run("python", "-m", "pcc_plugin.sim.demo")
+    session.run("python", "-m", "pcc_plugin.sim.demo", *session.posargs)
 
 
 @nox.session
@@ -85,7 +107,7 @@ def lock(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-# Shipping: manifests, Containerfile, image (issues 3 and 7).
+# Shipping: manifests, Containerfile, image.
 
 
 @nox.session
@@ -263,7 +285,7 @@ def native_image_archive(session: nox.Session) -> Path:
     return archive
 
 
-# A real kubelet (issue 13).
+# A real kubelet.
 
 
 @nox.session
@@ -285,7 +307,7 @@ def e2e(session: nox.Session) -> None:
     )  # fmt: skip
 
 
-# Load and faults (issue 4).
+# Load and faults.
 
 
 @nox.session

@@ -5,6 +5,12 @@ device annotations), which containerd 1.7+ and CRI-O 1.28+ read. A file's
 name depends only on the resource, so a restarted or newer instance rewrites
 the same file; it is written to a temporary name and renamed, so a runtime
 never reads half a spec.
+
+Each spec names the instance that wrote it (--instance-name). An instance
+rewrites only its own specs (and those of versions without instance names,
+which it takes over), and removes only its own: two instances that share the
+directory never touch each other's. The old and new pods of one DaemonSet
+share a name, and write the same content.
 """
 
 from __future__ import annotations
@@ -16,13 +22,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pcc_plugin.klog import V1
 from pcc_plugin.resource import Device, ResourceSpec
 
 log = logging.getLogger(__name__)
 
 CDI_VERSION = "0.6.0"
-# Marks the specs this plugin wrote, so it removes only its own.
+# The instance that wrote the spec.
+OWNER = "pcc-device-plugin.tke.cloud.tencent.com/instance"
+# How versions without instance names marked their specs; such a spec is rewritten by the
+# instance that serves its resource, and removed by none.
 MANAGED_BY = "pcc-device-plugin.tke.cloud.tencent.com/managed"
+_BEFORE_INSTANCE_NAMES = ""
 
 
 def spec_path(directory: Path, resource_name: str) -> Path:
@@ -60,12 +71,12 @@ def _edits(spec: ResourceSpec, device: Device) -> dict[str, Any]:
     return edits
 
 
-def build_spec(spec: ResourceSpec, devices: tuple[Device, ...]) -> dict[str, Any]:
+def build_spec(spec: ResourceSpec, devices: tuple[Device, ...], owner: str) -> dict[str, Any]:
     by_name = {device.group: device for device in devices if device.healthy}
     return {
         "cdiVersion": CDI_VERSION,
         "kind": spec.name,
-        "annotations": {MANAGED_BY: "true"},
+        "annotations": {OWNER: owner},
         "devices": [
             {"name": name, "containerEdits": _edits(spec, device)}
             for name, device in sorted(by_name.items())
@@ -73,33 +84,91 @@ def build_spec(spec: ResourceSpec, devices: tuple[Device, ...]) -> dict[str, Any
     }
 
 
-def write_spec(directory: Path, spec: ResourceSpec, devices: tuple[Device, ...]) -> None:
+def write_spec(
+    directory: Path, spec: ResourceSpec, devices: tuple[Device, ...], owner: str
+) -> str | None:
+    """Write the resource's spec as instance `owner`; None when written, else why not (one
+    line). A spec file of another instance, or not of this plugin, is left as it is."""
     path = spec_path(directory, spec.name)
-    content = json.dumps(build_spec(spec, devices), indent=2, sort_keys=True) + "\n"
+    content = json.dumps(build_spec(spec, devices, owner), indent=2, sort_keys=True) + "\n"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(
             "w", dir=directory, prefix=".pcc-", suffix=".tmp", delete=False
         ) as temporary:
             temporary.write(content)
-        os.chmod(temporary.name, 0o644)
-        os.replace(temporary.name, path)
+        try:
+            os.chmod(temporary.name, 0o644)
+            problem = _put(Path(temporary.name), path, owner)
+        finally:
+            Path(temporary.name).unlink(missing_ok=True)
     except OSError as exc:
-        log.error("Cannot write CDI spec %s: %s; containers get devices without CDI", path, exc)
-        return
+        return f"Cannot write CDI spec {path}: {exc}; containers get devices without CDI"
+    if problem:
+        return f"{problem}: {spec.name} is served without CDI; {_FIX}"
     log.debug("Wrote CDI spec %s", path)
+    return None
 
 
-def remove_departed_specs(directory: Path, resource_names: set[str]) -> None:
-    """Remove specs this plugin wrote for resources no longer configured; leave the rest."""
+_FIX = (
+    "give each instance sharing --cdi-spec-dir its own resources, or remove the file if nothing "
+    "needs it, then restart this instance"
+)
+
+
+def _put(temporary: Path, path: Path, owner: str) -> str | None:
+    """Move `temporary` to `path` unless another owner's file is there; else say whose it is."""
+    while True:
+        try:
+            holder = _owner_of(path)
+        except FileNotFoundError:
+            try:
+                # A link, not a rename: it never replaces a file another instance just made.
+                os.link(temporary, path)
+                return None
+            except FileExistsError:
+                continue
+        if holder in (owner, _BEFORE_INSTANCE_NAMES):
+            os.replace(temporary, path)
+            return None
+        if holder is None:
+            return f"CDI spec {path} was not written by pcc-device-plugin"
+        return f"CDI spec {path} belongs to instance {holder!r}, not to this instance {owner!r}"
+
+
+def _owner_of(path: Path) -> str | None:
+    """The instance that wrote the spec at `path`, _BEFORE_INSTANCE_NAMES for a version without
+    instance names, None if this plugin did not write it; FileNotFoundError if there is none."""
+    try:
+        document = json.loads(path.read_bytes())
+    except ValueError:
+        return None
+    annotations = document.get("annotations") if isinstance(document, dict) else None
+    if not isinstance(annotations, dict):
+        return None
+    owner = annotations.get(OWNER)
+    if isinstance(owner, str) and owner:
+        return owner
+    return _BEFORE_INSTANCE_NAMES if annotations.get(MANAGED_BY) == "true" else None
+
+
+def remove_departed_specs(directory: Path, resource_names: set[str], owner: str) -> None:
+    """Remove the specs instance `owner` wrote for resources it no longer serves; leave the rest."""
     keep = {spec_path(directory, name) for name in resource_names}
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         if path in keep:
             continue
         try:
-            managed = json.loads(path.read_text()).get("annotations", {}).get(MANAGED_BY)
-        except (OSError, ValueError, AttributeError):
+            holder = _owner_of(path)
+        except OSError:
             continue
-        if managed == "true":
+        if holder == owner:
             path.unlink(missing_ok=True)
-            log.info("Removed CDI spec %s: its resource is no longer configured", path)
+            log.info("Removed CDI spec %s: instance %r no longer serves its resource", path, owner)
+        elif holder == _BEFORE_INSTANCE_NAMES:
+            log.log(
+                V1,
+                "Leaving CDI spec %s: written before instance names, so it may be another "
+                "instance's; remove it if no instance serves its resource",
+                path,
+            )

@@ -8,6 +8,7 @@ exit 2.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -21,13 +22,20 @@ from pcc_plugin.resource import (
     pcc_resource,
     resource_name_problem,
 )
+from pcc_plugin.sensitive import device_hazard, mount_hazard, normalised
 
 PROG = "pcc-device-plugin"
+# The DaemonSet's name in manifests/, which passes it from the pod label app.kubernetes.io/instance.
+DEFAULT_INSTANCE_NAME = PROG
 # Printed by `--version --v=1`: what a bug report needs besides our own version.
 STACK = ("trio", "trio-asyncio", "grpclib", "betterproto2", "asyncinotify", "attrs")
 # A unix socket path holds at most 107 bytes; our socket names take up to 51
 # (`<prefix of up to 20>-<pid>-<token>-<n>.sock`).
 MAX_PLUGIN_DIR_BYTES = 56
+
+
+# A Kubernetes label value that is not empty: the manifests pass one.
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
 class UsageError(ValueError):
@@ -56,6 +64,19 @@ def _absolute(_: str, value: str) -> str | None:
     return None if value.startswith("/") else f"must be an absolute path, got {value!r}"
 
 
+def _host_path(hazard: Callable[[str], str | None]) -> Check:
+    """An absolute path that is not a sensitive host path (flags have no opt-in)."""
+
+    def check(name: str, value: str) -> str | None:
+        problem = _absolute(name, value)
+        if problem:
+            return problem
+        danger = hazard(normalised(value))
+        return f"{danger}: refusing to hand it to containers" if danger else None
+
+    return check
+
+
 def _count_range(low: int, high: int | None) -> Check:
     def check(_: str, value: int) -> str | None:
         if low <= value and (high is None or value <= high):
@@ -74,6 +95,20 @@ def _plugin_dir(name: str, value: str) -> str | None:
     if size > MAX_PLUGIN_DIR_BYTES:
         return f"is too long for unix sockets: {size} bytes, at most {MAX_PLUGIN_DIR_BYTES}"
     return _absolute(name, value)
+
+
+def _instance_name(_: str, value: str) -> str | None:
+    if not value:
+        return (
+            "must not be empty: the manifests pass the pod label app.kubernetes.io/instance, "
+            "set it in the pod template"
+        )
+    if len(value) <= 63 and _LABEL_VALUE.fullmatch(value):
+        return None
+    return (
+        f"must be 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or "
+        f"digit, as a Kubernetes label value is, got {value!r}"
+    )
 
 
 def _bind_address(_: str, value: str) -> str | None:
@@ -103,12 +138,12 @@ class Flags:
     pcc_device: str = _flag(
         "--pcc-device", "/dev/sev-guest",
         "host device node, given to containers as /dev/sev-guest",
-        metavar="PATH", check=_absolute,
+        metavar="PATH", check=_host_path(device_hazard),
     )  # fmt: skip
     pcc_socket_path: str = _flag(
         "--pcc-socket-path", "/var/run/pcc",
         "host PCC socket directory, mounted read-write at /var/run/pcc",
-        metavar="DIR", check=_absolute,
+        metavar="DIR", check=_host_path(mount_hazard),
     )  # fmt: skip
     resource_name: str = _flag(
         "--resource-name", "tke.cloud.tencent.com/pcc-device",
@@ -157,6 +192,13 @@ class Flags:
         "--cdi-spec-dir", "/var/run/cdi", "where CDI specs are written",
         metavar="DIR", check=_absolute,
     )  # fmt: skip
+    instance_name: str = _flag(
+        "--instance-name", DEFAULT_INSTANCE_NAME,
+        "this instance's name, written into its CDI specs: it rewrites and removes only "
+        "specs of its own name, so instances sharing --cdi-spec-dir need different names "
+        "(the manifests pass the pod label app.kubernetes.io/instance)",
+        metavar="NAME", check=_instance_name,
+    )  # fmt: skip
     verbosity: int = _flag(
         "--v", 0,
         "log verbosity: 0 registrations and errors, 1 each Allocate and registration step, "
@@ -167,7 +209,10 @@ class Flags:
     def pcc_resource(self) -> ResourceSpec:
         """The resource these flags describe (served unless --config names a file)."""
         return pcc_resource(
-            self.resource_name, self.resource_count, self.pcc_device, self.pcc_socket_path
+            self.resource_name,
+            self.resource_count,
+            normalised(self.pcc_device),
+            normalised(self.pcc_socket_path),
         )
 
 

@@ -1,21 +1,23 @@
 """`pcc-device-plugin`: start the daemon (or, with `doctor` first, check the node).
 
-Exit codes: 0 after SIGTERM/SIGINT; 1 when the device or PCC directory is not
-there or the daemon cannot go on; 2 for usage errors; 128+N when a second
+Exit codes: 0 after SIGTERM/SIGINT/SIGQUIT; 1 when the device or PCC directory is
+not there or the daemon cannot go on; 2 for usage errors; 128+N when a second
 signal N forces the exit.
+
+This module imports only the standard library at its top, so that `main` can
+take SIGTERM and SIGINT over before anything else is imported.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import NoReturn
-
-from pcc_plugin import flags, klog
-from pcc_plugin.klog import V1
-from pcc_plugin.resource import health_problem
 
 log = logging.getLogger("pcc_plugin")
 
@@ -31,7 +33,18 @@ EPILOG = (
 )
 
 
+def _stop_while_starting(signum: int, frame: FrameType | None) -> None:
+    # Nothing exists yet to clean up: no socket, no registration. The daemon's own
+    # handling (supervisor.handle_signals) takes over before it creates any.
+    os._exit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(signum, _stop_while_starting)
+    from pcc_plugin import flags, klog
+    from pcc_plugin.resource import health_problem
+
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "doctor":
         from pcc_plugin.doctor import cli
@@ -70,6 +83,8 @@ def raise_open_file_limit() -> None:
     The soft limit is often 1,024; connections beyond what the plugin keeps
     are closed at once, but a flood should meet the kernel's limit, not ours.
     """
+    from pcc_plugin.klog import V1
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:

@@ -11,8 +11,10 @@ import attrs
 
 from pcc_plugin import wire
 from pcc_plugin._proto import v1beta1 as api
+from pcc_plugin.flags import DEFAULT_INSTANCE_NAME
 from pcc_plugin.klog import V1
 from pcc_plugin.resource import Device, DeviceNode, Grant, ResourceSpec, grant, take_inventory
+from pcc_plugin.sensitive import OPT_IN, opted_in
 from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
@@ -86,16 +88,22 @@ class DevicePlugin:
         *,
         pre_start_check: bool = False,
         cdi_spec_dir: Path | None = None,
+        instance_name: str = DEFAULT_INSTANCE_NAME,
     ) -> None:
         self.spec = spec
         self.stats = stats
         self._host_root = host_root
         self._pre_start_check = pre_start_check
         self._cdi_spec_dir = cdi_spec_dir
+        self._instance_name = instance_name
+        # Why the spec is not in place (then Allocate names no CDI device), or None.
+        self._cdi_problem: str | None = None
         self._seen: dict[str, DeviceNode] = {}
         self.devices: tuple[Device, ...] = ()
         self._by_id: dict[str, Device] = {}
         self.feed = DeviceFeed(b"")
+        for hazard in opted_in(spec):
+            log.warning("%s: %s; containers get it: its entry sets %s", spec.name, hazard, OPT_IN)
         self.refresh()
 
     def refresh(self) -> None:
@@ -117,7 +125,10 @@ class DevicePlugin:
         if self._cdi_spec_dir is not None:
             from pcc_plugin import cdi
 
-            cdi.write_spec(self._cdi_spec_dir, self.spec, devices)
+            problem = cdi.write_spec(self._cdi_spec_dir, self.spec, devices, self._instance_name)
+            if problem and problem != self._cdi_problem:
+                log.error("%s", problem)
+            self._cdi_problem = problem
 
     def options(self) -> api.DevicePluginOptions:
         # Shares of one device are alike: there is no preference to give.
@@ -176,7 +187,8 @@ class DevicePlugin:
 
     def _grant(self, devices: list[Device]) -> Grant:
         given = grant(self.spec, devices)
-        if self._cdi_spec_dir is None:
+        # A runtime fails a container whose CDI device no spec names.
+        if self._cdi_spec_dir is None or self._cdi_problem:
             return given
         from pcc_plugin import cdi
 

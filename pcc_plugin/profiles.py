@@ -15,6 +15,7 @@
         env:
           NAME: value
 
+The file is read as untrusted input, bounded in size and cost (`yaml_input`).
 Imported only when `--config` is given, so the YAML parser costs nothing otherwise.
 """
 
@@ -26,8 +27,7 @@ from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import Any, TypeVar
 
-import yaml
-
+from pcc_plugin import yaml_input
 from pcc_plugin.resource import (
     MAX_RESOURCE_COUNT,
     DeviceNode,
@@ -36,12 +36,14 @@ from pcc_plugin.resource import (
     ResourceSpec,
     resource_name_problem,
 )
+from pcc_plugin.sensitive import OPT_IN, device_hazard, mount_hazard, normalised
+from pcc_plugin.yaml_input import KeyProblem, child, shown_value
 
 T = TypeVar("T")
 
 _RESOURCE_KEYS = {"name", "count", "socketPrefix", "devices", "mounts", "env"}
-_DEVICE_KEYS = {"hostPath", "containerPath", "permissions", "type"}
-_MOUNT_KEYS = {"hostPath", "containerPath", "readOnly"}
+_DEVICE_KEYS = {"hostPath", "containerPath", "permissions", "type", OPT_IN}
+_MOUNT_KEYS = {"hostPath", "containerPath", "readOnly", OPT_IN}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SOCKET_PREFIX = re.compile(r"[a-z0-9][a-z0-9.-]{0,19}")
 
@@ -50,54 +52,71 @@ class ProfileError(ValueError):
     """The file cannot be served; the message names the file, the key path and the problem."""
 
 
-class _Invalid(Exception):
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where}: {problem}")
-
-
 def _mapping(where: str, value: Any, keys: set[str], required: set[str]) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _Invalid(where, f"must be a mapping, got {type(value).__name__}")
+        raise KeyProblem(where, f"must be a mapping, got {type(value).__name__}")
     unknown = sorted(set(value) - keys)
     if unknown:
-        raise _Invalid(f"{where}.{unknown[0]}", f"unknown key; known: {', '.join(sorted(keys))}")
+        raise KeyProblem(child(where, unknown[0]), f"unknown key; known: {', '.join(sorted(keys))}")
     missing = sorted(required - set(value))
     if missing:
-        raise _Invalid(f"{where}.{missing[0]}", "is required")
+        raise KeyProblem(child(where, missing[0]), "is required")
     return value
 
 
 def _list(where: str, value: Any, item: Callable[[str, Any], T]) -> tuple[T, ...]:
     if not isinstance(value, list):
-        raise _Invalid(where, f"must be a list, got {type(value).__name__}")
+        raise KeyProblem(where, f"must be a list, got {type(value).__name__}")
     return tuple(item(f"{where}[{index}]", entry) for index, entry in enumerate(value))
 
 
 def _absolute_path(where: str, value: Any) -> str:
+    """The path, normalised: what is checked is what is handed out."""
     if not isinstance(value, str) or not value.startswith("/"):
-        raise _Invalid(where, f"must be an absolute path, got {value!r}")
-    return value
+        raise KeyProblem(where, f"must be an absolute path, got {shown_value(value)}")
+    return normalised(value)
+
+
+def _sensitive_allowed(where: str, entry: dict[str, Any], hazard: str | None) -> bool:
+    """Whether the entry opts in to its sensitive host path; refuses it without the opt-in,
+    and an opt-in that is not needed (it would let a later edit of the path pass unseen)."""
+    allowed = entry.get(OPT_IN, False)
+    if not isinstance(allowed, bool):
+        raise KeyProblem(f"{where}.{OPT_IN}", f"must be true or false, got {shown_value(allowed)}")
+    if hazard and not allowed:
+        raise KeyProblem(
+            f"{where}.hostPath",
+            f"{hazard}: refused unless this entry sets {OPT_IN}: true (docs/profiles.md)",
+        )
+    if allowed and not hazard:
+        raise KeyProblem(
+            f"{where}.{OPT_IN}", "hostPath is not a sensitive host path: remove the opt-in"
+        )
+    return allowed
 
 
 def _device(where: str, value: Any) -> DeviceNode:
     entry = _mapping(where, value, _DEVICE_KEYS, {"hostPath"})
     host_path = _absolute_path(f"{where}.hostPath", entry["hostPath"])
     if glob.has_magic(str(PurePosixPath(host_path).parent)):
-        raise _Invalid(f"{where}.hostPath", "a glob may only be in the last path component")
+        raise KeyProblem(f"{where}.hostPath", "a glob may only be in the last path component")
     permissions = entry.get("permissions", "rw")
     if not isinstance(permissions, str) or not permissions or set(permissions) - set("rwm"):
-        raise _Invalid(f"{where}.permissions", f"must be made of r, w and m, got {permissions!r}")
+        raise KeyProblem(
+            f"{where}.permissions", f"must be made of r, w and m, got {shown_value(permissions)}"
+        )
     device_type: DeviceType = entry.get("type", "char")
     if device_type not in ("char", "block"):
-        raise _Invalid(f"{where}.type", f"must be char or block, got {device_type!r}")
+        raise KeyProblem(f"{where}.type", f"must be char or block, got {shown_value(device_type)}")
+    allowed = _sensitive_allowed(where, entry, device_hazard(host_path))
     if glob.has_magic(host_path):
         if "containerPath" in entry:
-            raise _Invalid(
+            raise KeyProblem(
                 f"{where}.containerPath", "not allowed with a glob: each match keeps its path"
             )
-        return DeviceNode(host_path, "", permissions, device_type)
+        return DeviceNode(host_path, "", permissions, device_type, allowed)
     container_path = _absolute_path(f"{where}.containerPath", entry.get("containerPath", host_path))
-    return DeviceNode(host_path, container_path, permissions, device_type)
+    return DeviceNode(host_path, container_path, permissions, device_type, allowed)
 
 
 def _mount(where: str, value: Any) -> HostMount:
@@ -106,18 +125,25 @@ def _mount(where: str, value: Any) -> HostMount:
     container_path = _absolute_path(f"{where}.containerPath", entry.get("containerPath", host_path))
     read_only = entry.get("readOnly", False)
     if not isinstance(read_only, bool):
-        raise _Invalid(f"{where}.readOnly", f"must be true or false, got {read_only!r}")
-    return HostMount(host_path, container_path, read_only)
+        raise KeyProblem(
+            f"{where}.readOnly", f"must be true or false, got {shown_value(read_only)}"
+        )
+    allowed = _sensitive_allowed(where, entry, mount_hazard(host_path))
+    return HostMount(host_path, container_path, read_only, allow_sensitive=allowed)
 
 
 def _env(where: str, value: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, dict):
-        raise _Invalid(where, f"must be a mapping of names to strings, got {type(value).__name__}")
+        raise KeyProblem(
+            where, f"must be a mapping of names to strings, got {type(value).__name__}"
+        )
     for name, text in value.items():
         if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-            raise _Invalid(f"{where}.{name}", "is not a valid environment variable name")
+            raise KeyProblem(child(where, name), "is not a valid environment variable name")
         if not isinstance(text, str):
-            raise _Invalid(f"{where}.{name}", f"must be a string, got {text!r} (quote it)")
+            raise KeyProblem(
+                child(where, name), f"must be a string, got {shown_value(text)} (quote it)"
+            )
     return tuple(sorted(value.items()))
 
 
@@ -130,53 +156,56 @@ def _resource(where: str, value: Any) -> ResourceSpec:
     entry = _mapping(where, value, _RESOURCE_KEYS, {"name"})
     name = entry["name"]
     if not isinstance(name, str):
-        raise _Invalid(f"{where}.name", f"must be a string, got {name!r}")
+        raise KeyProblem(f"{where}.name", f"must be a string, got {shown_value(name)}")
     problem = resource_name_problem(name)
     if problem:
-        raise _Invalid(f"{where}.name", f"{name!r} would be rejected by kubelet: {problem}")
+        raise KeyProblem(
+            f"{where}.name", f"{shown_value(name)} would be rejected by kubelet: {problem}"
+        )
     count = entry.get("count", 1)
     if (
         not isinstance(count, int)
         or isinstance(count, bool)
         or not 1 <= count <= MAX_RESOURCE_COUNT
     ):
-        raise _Invalid(f"{where}.count", f"must be a whole number from 1 to {MAX_RESOURCE_COUNT}")
+        raise KeyProblem(f"{where}.count", f"must be a whole number from 1 to {MAX_RESOURCE_COUNT}")
     prefix = entry.get("socketPrefix", _default_prefix(name))
     if not isinstance(prefix, str) or not _SOCKET_PREFIX.fullmatch(prefix):
-        raise _Invalid(
+        raise KeyProblem(
             f"{where}.socketPrefix", "must be 1-20 of a-z, 0-9, '.', '-', starting alphanumeric"
         )
     devices = _list(f"{where}.devices", entry.get("devices", []), _device)
     mounts = _list(f"{where}.mounts", entry.get("mounts", []), _mount)
     if not devices and not mounts:
-        raise _Invalid(where, "gives containers nothing: add devices or mounts")
+        raise KeyProblem(where, "gives containers nothing: add devices or mounts")
     envs = _env(f"{where}.env", entry.get("env", {}))
     return ResourceSpec(name, count, prefix, devices, mounts, envs)
 
 
 def load(path: str) -> list[ResourceSpec]:
-    """Every resource in the file, or ProfileError naming the file, the key path and the problem."""
+    """Every resource in the file, validated whole, or ProfileError: one line naming the file,
+    the key path (or line and column) and the problem.
+
+    It reads the file and nothing else, and changes nothing: a reload may call it.
+    """
     try:
-        with open(path, encoding="utf-8") as file:
-            document = yaml.safe_load(file)
-    except OSError as exc:
-        raise ProfileError(f"--config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ProfileError(f"{path}: not valid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+        document = yaml_input.load(path)
+    except yaml_input.InputError as exc:
+        raise ProfileError(str(exc)) from None
     try:
-        top = _mapping("(top level)", document, {"resources"}, {"resources"})
+        top = _mapping(yaml_input.ROOT, document, {"resources"}, {"resources"})
         specs = list(_list("resources", top["resources"], _resource))
         if not specs:
-            raise _Invalid("resources", "must list at least one resource")
+            raise KeyProblem("resources", "must list at least one resource")
         for kind, values in (
             ("name", [spec.name for spec in specs]),
             ("socketPrefix", [spec.socket_prefix for spec in specs]),
         ):
             for index, value in enumerate(values):
                 if value in values[:index]:
-                    raise _Invalid(f"resources[{index}].{kind}", f"{value!r} is used twice")
-    except _Invalid as exc:
+                    raise KeyProblem(
+                        f"resources[{index}].{kind}", f"{shown_value(value)} is used twice"
+                    )
+    except KeyProblem as exc:
         raise ProfileError(f"{path}: {exc}") from None
     return specs

@@ -67,6 +67,8 @@ class DeviceNode:
     container_path: str
     permissions: str = "rw"
     device_type: DeviceType = "char"
+    # Its profile entry opted in to handing out a sensitive host path (see `sensitive`).
+    allow_sensitive: bool = False
 
     @property
     def is_glob(self) -> bool:
@@ -80,6 +82,8 @@ class HostMount:
     read_only: bool = False
     # Named in the detect error, e.g. "socket path" for the PCC directory.
     label: str = "mount"
+    # Its profile entry opted in to mounting a sensitive host path (see `sensitive`).
+    allow_sensitive: bool = False
 
 
 @attrs.frozen

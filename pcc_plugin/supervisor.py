@@ -1,22 +1,33 @@
-"""The daemon's nursery tree: every long-lived task is started here, or by a task named here.
+"""The daemon's nursery tree, drawn here and only here: every task of the process.
 
-    run(config, specs)
-    └── bridge.asyncio_loop: the one asyncio loop, for grpclib
-        └── root nursery
-            ├── handle_signals   SIGTERM/SIGINT cancel `stop`; a second one exits at once
-            └── stop scope
-                ├── http_server.serve      /metrics, /livez, /readyz (with a bind address)
-                └── supervise_resource     one per resource; restarts it alone if it fails
-                    ├── watch_health       inotify on the device's and mounts' parent dirs
-                    └── serve_kubelet      one generation after another:
-                        ├── wait_for_directory   until kubelet has created its directory
-                        └── generation nursery   cancelling it is how the plugin restarts
-                            ├── watch_plugin_dir       kubelet.sock created, own socket gone
-                            ├── grpc_server.serve      DevicePlugin on a fresh socket name
-                            ├── follow_newer_instances an older kubelet's rollout
-                            ├── register_with_kubelet  once serving; retries with backoff
-                            ├── reregister_when_stream_ends
-                            └── forget_faults_when_stable
+    run                              bridge.asyncio_loop (grpclib's asyncio loop, one per process)
+    └── root nursery
+        ├── handle_signals           TERM/INT/QUIT stop; HUP reloads; USR1 logs this tree
+        └── stop scope
+            ├── http_server.serve    /metrics, /livez, /readyz (with a bind address)
+            │   └── HttpServer.accept → HttpServer.handle, one per connection
+            ├── Resources.serve      the configuration; applies reloads
+            │   └── supervise_resource, one per resource, in a cancel scope of its own
+            │       ├── watch_health           inotify on the device's and mounts' parents
+            │       └── serve_kubelet          one generation after another
+            │           ├── wait_for_directory until kubelet has created it
+            │           └── generation nursery: cancelling it is how the plugin restarts
+            │               ├── grpc_server.serve          the socket, a fresh name each time
+            │               │   └── Server.serve_connection, one per connection (below)
+            │               ├── watch_plugin_dir           kubelet.sock created, own socket gone
+            │               ├── follow_newer_instances     rollouts on older kubelets
+            │               │   └── follow, one per newer instance of the resource
+            │               ├── register_with_kubelet      once serving; retries with backoff
+            │               ├── reregister_when_stream_ends
+            │               └── forget_faults_when_stable
+            └── watch_config_file    with --config: the file, or the ConfigMap's ..data swap
+
+A connection's requests run as asyncio tasks that grpclib's protocol starts
+(Connection.accept); the connection's trio task owns them: on its way out
+it closes the connection, which cancels them, and waits for them
+(grpc_server.TEARDOWN_GRACE at most). So when a generation's nursery is
+cancelled, nothing of it outlives it: tests/test_grpc_server.py checks that
+no request task is left.
 
 A generation ends only by cancellation, through `Restart`, which records why.
 """
@@ -174,6 +185,7 @@ class Resources:
             ResourceStats(),
             pre_start_check=self.config.pre_start_check,
             cdi_spec_dir=self._cdi_spec_dir,
+            instance_name=self.config.instance_name,
         )
         scope = trio.CancelScope()
         self._running[spec.name] = (plugin, scope)
@@ -230,7 +242,7 @@ class Resources:
             from pcc_plugin import cdi
 
             names = {spec.name for spec in self.configuration.specs}
-            cdi.remove_departed_specs(self._cdi_spec_dir, names)
+            cdi.remove_departed_specs(self._cdi_spec_dir, names, self.config.instance_name)
 
     def describe(self) -> list[str]:
         """The task tree and each resource's state, as SIGUSR1 writes them to the log."""

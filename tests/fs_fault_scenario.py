@@ -22,7 +22,7 @@ from pathlib import Path
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
-RETRIES_SEEN = 6
+RETRIES_SEEN = 9
 WAIT = 20.0
 
 

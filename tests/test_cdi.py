@@ -10,11 +10,14 @@ from typing import Any
 
 import jsonschema
 import pytest
+import trio
+from daemon_support import log_line, serving
 
 from pcc_plugin import cdi
 from pcc_plugin.flags import Flags
 from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.resource import DeviceNode, ResourceSpec
+from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 from pcc_plugin.stats import ResourceStats
 
 # The parts of CDI spec 0.6.0 this plugin writes, from the specification's text:
@@ -91,7 +94,7 @@ def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     assert spec == {
         "cdiVersion": "0.6.0",
         "kind": "tke.cloud.tencent.com/pcc-device",
-        "annotations": {cdi.MANAGED_BY: "true"},
+        "annotations": {cdi.OWNER: "pcc-device-plugin"},
         "devices": [
             {
                 "name": "pcc",
@@ -147,18 +150,106 @@ def test_globbed_devices_get_a_cdi_device_each_and_gone_ones_leave_the_spec(
     assert plugin.allocate([["dm-1-0"]])[0].cdi_devices == ("power.example.com/block=dm-1",)
 
 
+def owned_by(owner: str) -> dict[str, Any]:
+    return {"cdiVersion": "0.6.0", "annotations": {cdi.OWNER: owner}}
+
+
+# How versions without instance names marked every spec they wrote.
+BEFORE_INSTANCE_NAMES = {"cdiVersion": "0.6.0", "annotations": {cdi.MANAGED_BY: "true"}}
+
+
 def test_only_own_specs_of_departed_resources_are_removed(tmp_path: Path) -> None:
-    managed = {"cdiVersion": "0.6.0", "annotations": {cdi.MANAGED_BY: "true"}}
-    (tmp_path / "example.com-gone.json").write_text(json.dumps(managed))
-    (tmp_path / "example.com-kept.json").write_text(json.dumps(managed))
-    (tmp_path / "nvidia.com-gpu.json").write_text(json.dumps({"cdiVersion": "0.5.0"}))
+    for name, content in {
+        "example.com-gone.json": owned_by("a"),
+        "example.com-kept.json": owned_by("a"),
+        "example.com-other.json": owned_by("b"),
+        "example.com-old.json": BEFORE_INSTANCE_NAMES,
+        "nvidia.com-gpu.json": {"cdiVersion": "0.5.0"},
+    }.items():
+        (tmp_path / name).write_text(json.dumps(content))
     (tmp_path / "broken.json").write_text("{")
-    cdi.remove_departed_specs(tmp_path, {"example.com/kept"})
+    cdi.remove_departed_specs(tmp_path, {"example.com/kept"}, "a")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "broken.json",
         "example.com-kept.json",
+        "example.com-old.json",
+        "example.com-other.json",
         "nvidia.com-gpu.json",
     ]
+
+
+def pcc_plugin_as(instance: str, host: Path, cdi_dir: Path) -> DevicePlugin:
+    return DevicePlugin(
+        Flags().pcc_resource(),
+        str(host),
+        ResourceStats(),
+        cdi_spec_dir=cdi_dir,
+        instance_name=instance,
+    )
+
+
+PCC_SPEC = "tke.cloud.tencent.com-pcc-device.json"
+
+
+@pytest.mark.parametrize(
+    ("existing", "problem"),
+    [
+        pytest.param(
+            owned_by("a"),
+            "CDI spec {path} belongs to instance 'a', not to this instance 'b': "
+            "tke.cloud.tencent.com/pcc-device is served without CDI; give each instance sharing "
+            "--cdi-spec-dir its own resources, or remove the file if nothing needs it, then "
+            "restart this instance",
+            id="another instance's",
+        ),
+        pytest.param(
+            {"cdiVersion": "0.6.0", "kind": "tke.cloud.tencent.com/pcc-device", "devices": []},
+            "CDI spec {path} was not written by pcc-device-plugin: "
+            "tke.cloud.tencent.com/pcc-device is served without CDI",
+            id="written by hand",
+        ),
+    ],
+)
+def test_a_spec_that_is_not_this_instances_is_left_and_cdi_not_named(
+    host: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    existing: dict[str, Any],
+    problem: str,
+) -> None:
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    path = cdi_dir / PCC_SPEC
+    path.write_text(json.dumps(existing))
+    plugin = pcc_plugin_as("b", host, cdi_dir)
+    (host / "dev" / "sev-guest").unlink()
+    plugin.refresh()
+    assert json.loads(path.read_text()) == existing
+    assert [p.name for p in cdi_dir.iterdir()] == [PCC_SPEC]  # no temporary file left
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1  # once, not at every refresh
+    assert errors[0].startswith(problem.format(path=path))
+    (host / "dev" / "sev-guest").symlink_to("/dev/null")
+    plugin.refresh()
+    (container,) = plugin.allocate([["pcc-0"]])
+    assert container.cdi_devices == ()
+    assert [node.host_path for node in container.device_nodes] == ["/dev/sev-guest"]
+
+
+@pytest.mark.parametrize(
+    "existing",
+    [owned_by("b"), BEFORE_INSTANCE_NAMES],
+    ids=["its own", "written before instance names"],
+)
+def test_an_instance_rewrites_its_own_spec(
+    host: Path, tmp_path: Path, existing: dict[str, Any]
+) -> None:
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    (cdi_dir / PCC_SPEC).write_text(json.dumps(existing))
+    plugin = pcc_plugin_as("b", host, cdi_dir)
+    assert json.loads((cdi_dir / PCC_SPEC).read_text())["annotations"] == {cdi.OWNER: "b"}
+    assert plugin.allocate([["pcc-0"]])[0].cdi_devices == ("tke.cloud.tencent.com/pcc-device=pcc",)
 
 
 def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
@@ -168,9 +259,91 @@ def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
     blocked.write_text("")
     plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=blocked)
     assert any("Cannot write CDI spec" in message for message in caplog.messages)
-    assert plugin.allocate([["pcc-0"]])[0].device_nodes
+    (container,) = plugin.allocate([["pcc-0"]])
+    assert container.device_nodes
+    assert container.cdi_devices == ()
 
 
 def test_kind_and_names_follow_cdi_rules() -> None:
     assert re.fullmatch(_KIND[1:-1], "tke.cloud.tencent.com/pcc-device")
     assert os.path.basename(cdi.spec_path(Path("/x"), "a.b/c")) == "a.b-c.json"
+
+
+# Two instances against the real daemon: another DaemonSet (or a profile of another team)
+# that shares --cdi-spec-dir.
+
+X, Y = "a.example.com/x", "b.example.com/y"
+X_SPEC, Y_SPEC = "a.example.com-x.json", "b.example.com-y.json"
+
+
+def owners(cdi_dir: Path) -> dict[str, str]:
+    return {
+        path.name: json.loads(path.read_text())["annotations"][cdi.OWNER]
+        for path in sorted(cdi_dir.glob("*.json"))
+    }
+
+
+async def test_two_instances_keep_each_others_specs_across_restarts(
+    fake_node: FakeNode, kubelet: SimKubelet, start_daemon: StartDaemon
+) -> None:
+    cdi_dir = fake_node.root / "cdi"
+
+    def start(instance: str, resource: str) -> Daemon:
+        return start_daemon(
+            *fake_node.daemon_args(),
+            f"--resource-name={resource}",
+            "--cdi",
+            f"--cdi-spec-dir={cdi_dir}",
+            f"--instance-name={instance}",
+        )
+
+    with trio.fail_after(60):
+        a = start("a", X)
+        await log_line(a, "Registered device plugin with Kubelet")
+        b = start("b", Y)
+        await log_line(b, "Registered device plugin with Kubelet")
+        assert owners(cdi_dir) == {X_SPEC: "a", Y_SPEC: "b"}
+        for instance, resource in (("a", X), ("b", Y), ("a", X)):
+            stopped = a if instance == "a" else b
+            assert await run_blocking(stopped.terminate) == 0
+            # Containers restarting while an instance is away still need its spec.
+            assert owners(cdi_dir) == {X_SPEC: "a", Y_SPEC: "b"}
+            restarted = start(instance, resource)
+            await log_line(restarted, "Registered device plugin with Kubelet")
+            assert owners(cdi_dir) == {X_SPEC: "a", Y_SPEC: "b"}
+            a, b = (restarted, b) if instance == "a" else (a, restarted)
+        response = await run_blocking(kubelet.allocate, Y, [["pcc-0"]])
+        assert [d.name for d in response.container_responses[0].cdi_devices] == [f"{Y}=pcc"]
+        for daemon in (a, b):
+            assert not re.search("Removed CDI spec|belongs to instance", daemon.log_text())
+
+
+async def test_an_instance_serving_anothers_resource_leaves_its_spec_and_serves_without_cdi(
+    fake_node: FakeNode, kubelet: SimKubelet, start_daemon: StartDaemon
+) -> None:
+    cdi_dir = fake_node.root / "cdi"
+    common = [
+        *fake_node.daemon_args(),
+        f"--resource-name={X}",
+        "--cdi",
+        f"--cdi-spec-dir={cdi_dir}",
+    ]
+    with trio.fail_after(30):
+        a = start_daemon(*common, "--instance-name=a")
+        await log_line(a, "Registered device plugin with Kubelet")
+        written = (cdi_dir / X_SPEC).read_text()
+        c = start_daemon(*common, "--instance-name=c")
+        error = await log_line(c, "belongs to instance")
+        # Kubelet uses the newest registration of a resource: c's.
+        await serving(kubelet, registrations=2, resource=X)
+        response = await run_blocking(kubelet.allocate, X, [["pcc-0"]])
+    assert error.startswith("E")
+    assert error.split("] ", 1)[1] == (
+        f"CDI spec {cdi_dir / X_SPEC} belongs to instance 'a', not to this instance 'c': "
+        f"{X} is served without CDI; give each instance sharing --cdi-spec-dir its own "
+        "resources, or remove the file if nothing needs it, then restart this instance"
+    )
+    (container,) = response.container_responses
+    assert list(container.cdi_devices) == []
+    assert [d.host_path for d in container.devices] == ["/dev/sev-guest"]
+    assert (cdi_dir / X_SPEC).read_text() == written

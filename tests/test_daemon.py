@@ -100,6 +100,7 @@ async def test_bad_requests_get_invalid_argument_without_a_traceback(
         assert "Traceback" not in daemon.log_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kubelet", ["current", "legacy"], indirect=True)
 async def test_kubelet_restarts_once_then_100_times_without_leaking_fds(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon

@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 import attrs
 import pytest
 import trio
 
+from pcc_plugin.doctor.node import check_pcc_node
+from pcc_plugin.doctor.report import Result
+from pcc_plugin.flags import Flags
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 DEVICE = "device /dev/sev-guest"
+SEV_SNP = "SEV-SNP guest device"
 PCC_DIR = "socket path /var/run/pcc"
 PLUGIN_DIR = "device-plugin dir"
 KUBELET = "kubelet"
 PLUGIN = f"plugin {RESOURCE}"
 READYZ = "readyz"
-CHECKS = [DEVICE, PCC_DIR, PLUGIN_DIR, KUBELET, PLUGIN, READYZ]
+CHECKS = [DEVICE, SEV_SNP, PCC_DIR, PLUGIN_DIR, KUBELET, PLUGIN, READYZ]
+# The fake node's device is a symlink to /dev/null, and its sysfs names no sev-guest device: on
+# a healthy fake node these two checks warn, and every other passes.
+FAKE_NODE_WARNS = {DEVICE, SEV_SNP}
 
 
 @attrs.frozen
@@ -37,13 +47,22 @@ class Report:
         found = {}
         for line in self.stdout.splitlines():
             status, _, rest = line.partition("  ")
-            if status in ("PASS", "FAIL", "SKIP"):
+            if status in ("PASS", "WARN", "FAIL", "SKIP"):
                 found[rest.split(": ", 1)[0]] = line
         return found
 
     @property
     def statuses(self) -> dict[str, str]:
         return {check: line.split("  ", 1)[0] for check, line in self.lines.items()}
+
+    @property
+    def unlike_a_healthy_fake_node(self) -> set[str]:
+        """The checks whose status is not the one they have on a healthy fake node."""
+        return {
+            check
+            for check, status in self.statuses.items()
+            if status != ("WARN" if check in FAKE_NODE_WARNS else "PASS")
+        }
 
 
 async def run_doctor(*args: str, wrapper: Sequence[str] = ()) -> Report:
@@ -93,8 +112,21 @@ async def test_a_healthy_node_passes_every_check_without_disturbing_the_daemon(
         report = await run_doctor(*node.args)
         assert report.code == 0
         assert list(report.lines) == CHECKS
-        assert set(report.statuses.values()) == {"PASS"}
-        assert report.stdout.splitlines()[-1] == "6 passed, 0 failed, 0 skipped."
+        assert report.unlike_a_healthy_fake_node == set()
+        host = node.fake.host_root
+        assert report.lines[DEVICE] == (
+            f"WARN  {DEVICE}: {host}/dev/sev-guest is a character device, but a symlink to "
+            "/dev/null: containers get /dev/null; fix: make /dev/sev-guest the device node "
+            "itself (the sev-guest driver creates it), or give --pcc-device the node it leads to"
+        )
+        assert report.lines[SEV_SNP] == (
+            f"WARN  {SEV_SNP}: {host}/sys/class/misc/sev-guest/dev does not exist: the "
+            f"sev-guest driver is not loaded, so nothing says that {host}/dev/sev-guest (1:3) is "
+            "the SEV-SNP guest device; fix: on an SEV-SNP guest, load the driver (modprobe "
+            "sev-guest); on other nodes there is no PCC device: remove its label "
+            "tke.cloud.tencent.com/pcc-device-plugin"
+        )
+        assert report.stdout.splitlines()[-1] == "5 passed, 2 warned, 0 failed, 0 skipped."
         assert report.stderr == ""
         assert "lists 16 devices, 16 Healthy" in report.lines[PLUGIN]
         assert "UNIMPLEMENTED" in report.lines[KUBELET]
@@ -168,6 +200,7 @@ async def kill_daemon(node: Node) -> None:
             remove_device,
             {
                 DEVICE: ["host/dev/sev-guest does not exist", "modprobe sev-guest"],
+                SEV_SNP: ["SKIP", "not checked until", "is a character device"],
                 PLUGIN: ["16 devices, 0 Healthy; expected every one Healthy", "'Unhealthy'"],
             },
             id="device missing",
@@ -176,6 +209,7 @@ async def kill_daemon(node: Node) -> None:
             replace_device_with_a_file,
             {
                 DEVICE: ["is a regular file, not a character device", "modprobe -r sev-guest"],
+                SEV_SNP: ["SKIP"],
                 PLUGIN: ["0 Healthy"],
             },
             id="device not a character device",
@@ -254,8 +288,7 @@ async def test_a_broken_node_fails_the_checks_it_should_with_their_fixes(
     assert report.code == 1
     assert report.stderr == ""
     assert list(report.lines) == CHECKS
-    not_passing = {check for check, status in report.statuses.items() if status != "PASS"}
-    assert not_passing == set(expected)
+    assert report.unlike_a_healthy_fake_node == set(expected)
     for check, texts in expected.items():
         line = report.lines[check]
         if report.statuses[check] == "FAIL":
@@ -268,7 +301,7 @@ async def test_a_wrong_resource_count_fails_the_plugin_check(node: Node) -> None
     with trio.fail_after(30):
         report = await run_doctor(*node.args, "--resource-count=8")
     assert report.code == 1
-    assert {check for check, status in report.statuses.items() if status != "PASS"} == {PLUGIN}
+    assert report.unlike_a_healthy_fake_node == {PLUGIN}
     assert "lists 16 devices, 16 Healthy; expected 8 devices" in report.lines[PLUGIN]
     assert "fix: give the doctor the daemon's flags" in report.lines[PLUGIN]
 
@@ -289,7 +322,7 @@ async def test_readyz_is_skipped_when_metrics_are_off(
     assert report.code == 0
     assert report.statuses[READYZ] == "SKIP"
     assert "metrics and probes are off" in report.lines[READYZ]
-    assert report.stdout.splitlines()[-1] == "5 passed, 0 failed, 1 skipped."
+    assert report.stdout.splitlines()[-1] == "4 passed, 2 warned, 0 failed, 1 skipped."
 
 
 async def test_with_a_config_file_every_resource_is_checked(
@@ -361,7 +394,7 @@ async def test_pcc_dir_without_write_permission_fails_for_root_without_capabilit
     without_capabilities = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]
     report = await run_doctor(*node.args, wrapper=without_capabilities)
     assert report.code == 1
-    assert {check for check, status in report.statuses.items() if status != "PASS"} == {PCC_DIR}
+    assert report.unlike_a_healthy_fake_node == {PCC_DIR}
     assert "(mode 0555) is not writable for uid 0" in report.lines[PCC_DIR]
     assert "chmod u+w /var/run/pcc" in report.lines[PCC_DIR]
 
@@ -388,7 +421,7 @@ async def test_pcc_dir_on_a_read_only_filesystem_fails(node: Node) -> None:
     read_only_tmpfs = f"mount -t tmpfs -o ro tmpfs {node.fake.pcc_dir}"
     report = await run_doctor(*node.args, wrapper=in_mount_namespace(read_only_tmpfs))
     assert report.code == 1
-    assert {check for check, status in report.statuses.items() if status != "PASS"} == {PCC_DIR}
+    assert report.unlike_a_healthy_fake_node == {PCC_DIR}
     assert f"is on a read-only filesystem (tmpfs at {node.fake.pcc_dir})" in report.lines[PCC_DIR]
 
 
@@ -437,3 +470,64 @@ async def test_usage_errors_and_help() -> None:
     assert "--resource-count" in bad.stderr
     assert helped.code == 0
     assert helped.stdout.startswith("usage: pcc-device-plugin doctor ")
+
+
+# The SEV-SNP guest device and symlinks, checked on a host tree (tests/conftest.py's `host`):
+# its device is a symlink to /dev/null (1:3), its PCC directory a directory.
+
+
+def pcc_node_checks(host: Path) -> dict[str, Result]:
+    return {result.check: result for result in check_pcc_node(Flags().pcc_resource(), str(host))}
+
+
+def name_sev_guest(host: Path, numbers: str) -> None:
+    (host / "sys" / "class" / "misc" / "sev-guest").mkdir(parents=True)
+    (host / "sys" / "class" / "misc" / "sev-guest" / "dev").write_text(f"{numbers}\n")
+
+
+def test_the_device_that_sysfs_names_passes(host: Path) -> None:
+    name_sev_guest(host, "1:3")
+    result = pcc_node_checks(host)[SEV_SNP]
+    assert result == Result(
+        "PASS", SEV_SNP, f"{host}/dev/sev-guest is the sev-guest driver's device (1:3)"
+    )
+
+
+def test_a_device_other_than_the_one_sysfs_names_warns(host: Path) -> None:
+    name_sev_guest(host, "10:122")
+    result = pcc_node_checks(host)[SEV_SNP]
+    assert result.line() == (
+        f"WARN  {SEV_SNP}: {host}/dev/sev-guest is device 1:3, but the sev-guest driver's is "
+        f"10:122 ({host}/sys/class/misc/sev-guest/dev); fix: give --pcc-device the sev-guest "
+        "driver's device node (/dev/sev-guest on the host)"
+    )
+
+
+def test_without_the_hosts_sys_under_the_host_root_this_containers_sys_is_read(
+    host: Path,
+) -> None:
+    """The manifests mount only the host's /dev and /var/run: sysfs is the same kernel's."""
+    line = pcc_node_checks(host)[SEV_SNP].line()
+    assert "/sys/class/misc/sev-guest/dev" in line
+    assert f"{host}/sys" not in line
+
+
+def test_a_pcc_directory_that_is_a_symlink_warns(host: Path) -> None:
+    real = host / "var" / "run" / "pcc-real"
+    (host / "var" / "run" / "pcc").rename(real)
+    (host / "var" / "run" / "pcc").symlink_to("pcc-real")
+    result = pcc_node_checks(host)[PCC_DIR]
+    assert result.line() == (
+        f"WARN  {PCC_DIR}: {host}/var/run/pcc is a writable directory, but a symlink to "
+        "pcc-real: containers get /var/run/pcc-real; fix: give --pcc-socket-path the directory "
+        "it leads to, so that the daemon checks and watches the directory containers get"
+    )
+
+
+def test_a_device_node_that_is_no_symlink_does_not_warn(host: Path) -> None:
+    (host / "dev" / "sev-guest").unlink()
+    try:
+        os.mknod(host / "dev" / "sev-guest", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("needs CAP_MKNOD to make a device node")
+    assert pcc_node_checks(host)[DEVICE].status == "PASS"

@@ -4,6 +4,7 @@ traceback, recovered once fixed; signals; socket identity; live configuration.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -54,8 +55,12 @@ async def test_a_filesystem_fault_is_one_line_retried_and_recovered(fault: str) 
     assert f"] {errno_words}; retrying" in errors[0]
     assert not result["traceback"], result["log"]
     assert isinstance(result["retries"], int)
-    assert result["retries"] >= 6
-    assert result["fds_after_retries"] == result["fds_at_first_retry"]
+    assert result["retries"] >= 9
+    # A retry that leaked a descriptor would leak one each time: 8 more after the first.
+    # A few come and go with the retries themselves (a directory watch, a listener).
+    assert isinstance(result["fds_after_retries"], int)
+    assert isinstance(result["fds_at_first_retry"], int)
+    assert abs(result["fds_after_retries"] - result["fds_at_first_retry"]) <= 3
     assert result["registered"]
 
 
@@ -144,8 +149,11 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
         # The tree's last line: it is written depth first, in name order.
         await log_line(daemon, "registration.reregister_when_stream_ends")
         text = daemon.log_text()
-        state = f"Resource {RESOURCE}: registered=True kubelet_stream_open=True generation="
-        assert state in text
+        # Kubelet's stream opens inside Register, a moment before the plugin hears it accepted.
+        assert re.search(
+            f"Resource {RESOURCE}: registered=(True|False) kubelet_stream_open=True generation=",
+            text,
+        )
         assert f"counters {RESOURCE}: registrations=" in text
         for task in ("handle_signals", "serve_kubelet", "watch_health", "watch_plugin_dir",
                      "Server.serve_connection"):  # fmt: skip
@@ -272,3 +280,64 @@ async def test_sighup_applies_an_edited_file(
         daemon.proc.send_signal(signal.SIGHUP)
         await log_line(daemon, "Configuration unchanged (SIGHUP)")
     assert "Configuration 3 applied" not in daemon.log_text()
+
+
+HOLD_AT_IMPORT = """
+import importlib.abc, os, sys
+
+class HoldAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == os.environ["PCC_TEST_HOLD_AT"]:
+            sys.meta_path.remove(self)
+            os.write(int(os.environ["PCC_TEST_READY_FD"]), b"x")
+            os.read(int(os.environ["PCC_TEST_GO_FD"]), 1)  # the signal comes meanwhile
+        return None
+
+sys.meta_path.insert(0, HoldAt())
+"""
+
+
+def stop_while_importing(argv: list[str], hooks: Path, module: str, signum: int) -> tuple[int, str]:
+    """Run `argv` held at the import of `module`, send `signum` then; its exit code and output."""
+    ready_read, ready_write = os.pipe()
+    go_read, go_write = os.pipe()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(hooks),
+        "PCC_TEST_HOLD_AT": module,
+        "PCC_TEST_READY_FD": str(ready_write),
+        "PCC_TEST_GO_FD": str(go_read),
+    }
+    try:
+        with subprocess.Popen(
+            argv, env=env, pass_fds=(ready_write, go_read),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        ) as process:  # fmt: skip
+            os.close(ready_write)
+            os.close(go_read)
+            try:
+                assert os.read(ready_read, 1) == b"x"
+                process.send_signal(signum)
+                output, _ = process.communicate(timeout=20)
+            finally:
+                process.kill()
+            return process.returncode, output.decode()
+    finally:
+        os.close(ready_read)
+        os.close(go_write)
+
+
+@pytest.mark.parametrize("module", ["pcc_plugin.flags", "trio", "pcc_plugin.supervisor"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_stop_signal_while_importing_ends_with_0(
+    fake_node: FakeNode, tmp_path: Path, module: str, signum: int
+) -> None:
+    """Held at the import of `module` (a hook in sitecustomize), the daemon gets the signal."""
+    (tmp_path / "sitecustomize.py").write_text(HOLD_AT_IMPORT)
+    argv = [sys.executable, "-m", "pcc_plugin", *fake_node.daemon_args(verbosity=0)]
+    with trio.fail_after(30):
+        returncode, output = await run_blocking(
+            stop_while_importing, argv, tmp_path, module, signum
+        )
+    assert returncode == 0, output
+    assert "Traceback" not in output

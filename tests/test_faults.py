@@ -5,7 +5,7 @@ then accepted on the first start (test_register_failures_are_retried_and_each_re
 the capped, jittered backoff itself in tests/test_supervisor_units.py), a current kubelet dropping
 the stream once, the daemon's own socket deleted under a current kubelet, the device-plugin
 directory removed while kubelet is stopped, 100 restarts against current and legacy kubelets, and
-SIGTERM or SIGINT while idle. This module adds what those leave out, for issue 4.
+SIGTERM or SIGINT while idle. This module adds what those leave out.
 
 No test here measures time: latency lives in the benchmark (bench/run.py). Every wait is on an
 event (a kubelet state, a log line), under ``trio.fail_after``.
@@ -102,6 +102,7 @@ WARM_UP = 30
 RSS_GROWTH_LIMIT_KIB = 3 * 1024
 
 
+@pytest.mark.slow
 async def test_a_storm_of_300_kubelet_restarts_leaks_nothing(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:

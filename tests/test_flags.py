@@ -44,6 +44,7 @@ def test_defaults() -> None:
         config="",
         cdi=False,
         cdi_spec_dir="/var/run/cdi",
+        instance_name="pcc-device-plugin",
     )
 
 
@@ -105,7 +106,33 @@ def test_largest_resource_count_is_accepted() -> None:
         (["--resource-name=Example.com/pcc"], "is not a lowercase DNS subdomain"),
         (["--resource-name=example.com/-pcc"], "must be 1-63 characters"),
         (["--pcc-device=dev/sev-guest"], "--pcc-device: must be an absolute path"),
+        (
+            ["--pcc-device=//dev/./mem"],
+            "--pcc-device: /dev/mem is the host's physical memory: refusing to hand it to "
+            "containers",
+        ),
+        (["--pcc-device=/dev/port"], "--pcc-device: /dev/port is the host's I/O ports"),
+        (["--pcc-socket-path=/"], "--pcc-socket-path: / is the host's whole filesystem"),
+        (
+            ["--pcc-socket-path=/var/run/pcc/../"],
+            "--pcc-socket-path: /var/run holds /var/run/containerd (containerd's socket",
+        ),
+        (
+            ["--pcc-socket-path=/etc/pcc/"],
+            "--pcc-socket-path: /etc/pcc is inside /etc (the host's configuration",
+        ),
         (["--host-root=host"], "--host-root: must be empty or an absolute path"),
+        (
+            ["--instance-name="],
+            "--instance-name: must not be empty: the manifests pass the pod label "
+            "app.kubernetes.io/instance, set it in the pod template",
+        ),
+        (
+            ["--instance-name=a b"],
+            "--instance-name: must be 1-63 letters, digits, '-', '_' or '.', starting and "
+            "ending with a letter or digit, as a Kubernetes label value is, got 'a b'",
+        ),
+        (["--instance-name=" + "a" * 64], "--instance-name: must be 1-63 letters"),
         (["--device-plugin-path=/" + "d" * 80], "--device-plugin-path: is too long"),
         (["--v=-1"], "--v: must be at least 0, got -1"),
         (["--metrics-bind-address=8080"], "--metrics-bind-address: must be host:port"),

@@ -35,6 +35,8 @@ from pcc_plugin.sim.rules import (
     PRE_START_CONTAINER,
 )
 
+pytestmark = pytest.mark.slow
+
 settings.register_profile(
     "ci",
     deadline=None,

@@ -163,6 +163,7 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+@pytest.mark.slow
 async def test_1100_connections_under_a_1024_file_limit(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
@@ -186,6 +187,7 @@ async def test_1100_connections_under_a_1024_file_limit(
         await kubelet_unharmed(kubelet, daemon)
 
 
+@pytest.mark.slow
 async def test_running_out_of_descriptors_is_waited_out(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
@@ -212,6 +214,7 @@ async def test_running_out_of_descriptors_is_waited_out(
         await kubelet_unharmed(kubelet, daemon)
 
 
+@pytest.mark.slow
 async def test_3000_held_connections_cost_bounded_memory(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
@@ -324,6 +327,7 @@ async def test_bad_http_requests_get_a_4xx(
         await kubelet_unharmed(kubelet, daemon)
 
 
+@pytest.mark.slow
 async def test_http_floods_and_slow_clients_are_bounded(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:

@@ -101,6 +101,8 @@ SURGE_UPDATE_STRATEGY = {
 }
 # What the components add: volume names, and the shipped profile (manifests/overlays/profiles).
 CDI_VOLUME = "cdi-specs"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+INSTANCE_ENV = "INSTANCE_NAME"
 PROFILES_VOLUME = "profiles"
 PROFILES_CONFIGMAP = f"{NAME}-profiles"
 PROFILE_FILE = ROOT / "manifests" / "overlays" / "profiles" / "profiles.yaml"
@@ -286,8 +288,10 @@ def test_args(directory: str) -> None:
     args = container["args"]
     assert args[: len(base_args)] == base_args
     added = sorted(arg.split("=", 1)[0] for arg in args[len(base_args) :])
-    expected = ["--cdi"] * (directory in CDI) + ["--config"] * (directory in PROFILES)
-    assert added == expected
+    expected = ["--cdi", "--instance-name"] * (directory in CDI) + ["--config"] * (
+        directory in PROFILES
+    )
+    assert added == sorted(expected)
 
 
 @pytest.mark.parametrize("directory", PLUGIN)
@@ -546,6 +550,32 @@ def test_cdi(directory: str) -> None:
     assert mount_showing(daemonset(directory), cdi_dir + "/spec.json")[0] == mount
 
 
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_the_instance_name_is_the_daemonsets_through_a_pod_label(directory: str) -> None:
+    """The downward API cannot read the DaemonSet's name: a pod label carries it."""
+    ds = daemonset(directory)
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert labels[INSTANCE_LABEL] == ds["metadata"]["name"]
+    container = plugin_container(ds)
+    if directory not in CDI:
+        assert flag(container, "instance-name", "") == ""
+        assert "env" not in container
+        return
+    assert flag(container, "instance-name", "") == f"$({INSTANCE_ENV})"
+    assert container["env"] == [
+        {
+            "name": INSTANCE_ENV,
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{INSTANCE_LABEL}']"}},
+        }
+    ]
+    # The args as kubelet expands them are flags the plugin takes.
+    expanded = [
+        arg.replace(f"$({INSTANCE_ENV})", labels[INSTANCE_LABEL]) for arg in container["args"]
+    ]
+    config, _ = parse(expanded, "pcc-device-plugin", main.DESCRIPTION, main.EPILOG)
+    assert config.instance_name == ds["metadata"]["name"]
+
+
 def as_built_on(ds: Obj) -> Obj:
     """The DaemonSet with the optional features taken out again, as their components add them."""
     ds = copy.deepcopy(ds)
@@ -556,8 +586,11 @@ def as_built_on(ds: Obj) -> Obj:
     container = spec["containers"][0]
     container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in added]
     container["args"] = [
-        arg for arg in container["args"] if arg != "--cdi" and not arg.startswith("--config=")
+        arg
+        for arg in container["args"]
+        if arg != "--cdi" and not arg.startswith(("--config=", "--instance-name="))
     ]
+    container.pop("env", None)
     return ds
 
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import re
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pcc_plugin.profiles import ProfileError, load
 from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
 from pcc_plugin.sim import FakeNode, SimKubelet, StartDaemon, run_blocking
+from pcc_plugin.yaml_input import MAX_ALIASES, MAX_BYTES, MAX_DEPTH, MAX_VALUES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +70,7 @@ def test_defaults_and_derived_prefix(tmp_path: Path) -> None:
     [
         ("resources: [", "not valid YAML at line 1"),
         ("[]", "(top level): must be a mapping, got list"),
-        ("{}", "(top level).resources: is required"),
+        ("{}", ": resources: is required"),
         ("resources: []", "resources: must list at least one resource"),
         ("{resources: [{name: x/y, devices: [{hostPath: /d}]}], extra: 1}", "extra: unknown key"),
         ("resources: [{devices: [{hostPath: /d}]}]", "resources[0].name: is required"),
@@ -155,6 +161,366 @@ def test_missing_file(tmp_path: Path) -> None:
         load(str(tmp_path / "absent.yaml"))
 
 
+# Input that cost a traceback or seconds before it was bounded: each is refused in one line
+# that says where.
+MOUNT = "resources: [{name: a.b/c, mounts: [{hostPath: /m}]"
+BAD_INPUT = [
+    pytest.param("resources: []\n".encode("utf-16"), "is UTF-16 or UTF-32", id="UTF-16 with BOM"),
+    pytest.param(
+        "resources: []\n".encode("utf-16-le"),
+        "has a NUL byte at line 1, column 2; save it as UTF-8",
+        id="UTF-16 without BOM",
+    ),
+    pytest.param(
+        "resources:\n  - name: caf\xe9\n".encode("latin-1"),
+        "is not UTF-8: byte 0xe9 at line 2, column 14",
+        id="Latin-1",
+    ),
+    pytest.param(b"resources: []\0\n", "has a NUL byte at line 1, column 14", id="NUL byte"),
+    pytest.param(
+        b'resources: [{name: a.b/c, devices: [{hostPath: "/dev/x\\0"}]}]',
+        "resources[0].devices[0].hostPath: contains a NUL character",
+        id="escaped NUL in a path",
+    ),
+    pytest.param(
+        MOUNT.encode() + b', env: {A: "\\0"}}]',
+        "resources[0].env.A: contains a NUL character",
+        id="escaped NUL in an environment value",
+    ),
+    pytest.param(
+        b"resources:\n  - name: a.com/x\n    name: b.com/y\n    mounts: [{hostPath: /m}]\n",
+        "resources[0].name: duplicate key at line 3 (first at line 2)",
+        id="duplicate key",
+    ),
+    pytest.param(
+        b"resources: []\nresources: []\n",
+        "resources: duplicate key at line 2 (first at line 1)",
+        id="duplicate top-level key",
+    ),
+    pytest.param(
+        b"x: &x 1\ny: [" + b", ".join([b"*x"] * (MAX_ALIASES + 1)) + b"]\n",
+        f"at line 2, column {5 + 4 * MAX_ALIASES}: more than {MAX_ALIASES} aliases",
+        id="too many aliases",
+    ),
+    pytest.param(
+        b"a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+        b"b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+        b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\n"
+        b"d: [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n",
+        f"at line 4, column 33: more than {MAX_VALUES} values",
+        id="billion laughs",
+    ),
+    pytest.param(b"a: &a [*a]\n", "alias *a stands for a value that contains it", id="alias loop"),
+    pytest.param(
+        b"[" * 100_000, f"at line 1, column {MAX_DEPTH + 1}: nested more than", id="deep nesting"
+    ),
+    pytest.param(
+        b"# " + b"x" * MAX_BYTES, f"is larger than {MAX_BYTES // 1024} KiB", id="too large"
+    ),
+    pytest.param(
+        MOUNT.encode() + b", count: 2001-13-45}]",
+        "not valid YAML at line 1, column 60: cannot read '2001-13-45': month must be in 1..12",
+        id="impossible date",
+    ),
+    pytest.param(
+        MOUNT.encode() + b", count: " + b"9" * 5000 + b"}]",
+        "Exceeds the limit (4300 digits)",
+        id="huge number",
+    ),
+    pytest.param(
+        MOUNT.encode() + b", env: {ON: x}}]",
+        "resources[0].env.ON: this key is read as bool, not a string: quote it",
+        id="key that is not a string",
+    ),
+    pytest.param(b"? [a]\n: b\n", "(top level): the key at line 1 is not a string", id="list key"),
+    pytest.param(
+        MOUNT.encode() + b', env: {"A\\nB": x}}]',
+        "resources[0].env.'A\\nB': is not a valid environment variable name",
+        id="key with a newline",
+    ),
+    pytest.param(
+        b"resources: [\x07]",
+        "not valid YAML at line 1, column 13: character U+0007 is not allowed",
+        id="control character",
+    ),
+    pytest.param(
+        b"resources: []\n---\nresources: []\n",
+        "expected a single document in the stream, but found another document",
+        id="two documents",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), BAD_INPUT)
+def test_bad_input_is_one_line_saying_where(tmp_path: Path, data: bytes, message: str) -> None:
+    path = tmp_path / "profiles.yaml"
+    path.write_bytes(data)
+    with pytest.raises(ProfileError) as error:
+        load(str(path))
+    assert str(error.value).startswith(f"{path}: ")
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+    assert len(str(error.value)) < 300
+
+
+def test_aliases_and_merge_keys_within_the_bounds_load(tmp_path: Path) -> None:
+    first, second = load(
+        write(
+            tmp_path,
+            """
+            resources:
+              - &first {name: a.example.com/x, count: 2, mounts: [&pcc {hostPath: /var/run/pcc}]}
+              - {<<: *first, name: b.example.com/y, socketPrefix: y, mounts: [*pcc]}
+            """,
+        )
+    )
+    assert (first.name, first.count, second.name, second.count) == (
+        "a.example.com/x",
+        2,
+        "b.example.com/y",
+        2,
+    )
+    assert first.mounts == second.mounts == (HostMount("/var/run/pcc", "/var/run/pcc", False),)
+
+
+async def test_a_file_that_is_not_regular_is_refused_without_waiting(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        with trio.fail_after(5), pytest.raises(ProfileError) as error:
+            # In a thread of its own: opening a FIFO for reading waits for a writer.
+            await trio.to_thread.run_sync(load, str(path), abandon_on_cancel=True)
+        assert str(error.value) == f"--config {path}: not a regular file"
+
+
+# Files just under 1 MiB in the shapes PyYAML's pure-Python parser is slowest at. Unbounded,
+# the flow list took over 20 s, the 100,000 aliases of 390 KiB 11 s.
+MIB = 1024 * 1024
+COSTLY = {
+    "a flow list of one-character values": "x: [" + "1," * (MIB // 2 - 4) + "1]\n",
+    "a block list": "x:\n" + "- 1\n" * (MIB // 4 - 1),
+    "a mapping of many keys": "".join(f"k{i:06}: 1\n" for i in range(MIB // 12)),
+    "100,000 aliases": "a: &a x\nb: [" + ", ".join(["*a"] * 100_000) + "]\n",
+    "a dense list within the size bound": "x: [" + "1," * (MAX_BYTES // 2 - 8) + "1]\n",
+}
+
+
+@pytest.mark.parametrize("text", COSTLY.values(), ids=COSTLY.keys())
+def test_costly_files_are_refused_within_a_second(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text)
+    started = time.process_time()
+    with pytest.raises(ProfileError):
+        load(path)
+    # CPU time, not wall time: the machine may be busy with other tests.
+    assert time.process_time() - started < 1.0
+
+
+# The costliest files within the bounds: the longest list of values, with the rest of the
+# bytes as blank lines, before or after it. They take under 0.5 s on a busy two-core machine.
+VALUES_AT_THE_BOUND = "resources: [" + "1," * (MAX_VALUES - 4) + "1]\n"
+BLANK_LINES = "\n" * (MAX_BYTES - len(VALUES_AT_THE_BOUND))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [VALUES_AT_THE_BOUND + BLANK_LINES, BLANK_LINES + VALUES_AT_THE_BOUND],
+    ids=["list first", "blank lines first"],
+)
+def test_the_costliest_files_within_the_bounds_take_under_a_second(
+    tmp_path: Path, text: str
+) -> None:
+    path = write(tmp_path, text)
+    assert os.path.getsize(path) == MAX_BYTES
+    started = time.process_time()
+    with pytest.raises(ProfileError, match=r"resources\[0\]: must be a mapping, got int"):
+        load(path)
+    assert time.process_time() - started < 1.0
+
+
+VALID = textwrap.dedent(
+    """
+    resources:
+      - name: example.com/disk
+        count: 2
+        socketPrefix: disk
+        devices: [{hostPath: "/dev/vd*", type: block}]
+        mounts:
+          - {hostPath: /var/run/pcc, containerPath: /pcc, readOnly: true}
+        env: {MODE: "fast"}
+    """
+).encode()
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(0, len(VALID)), st.integers(0, 8), st.binary(max_size=8)),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_damage_to_a_file_is_one_line_or_still_a_file(
+    tmp_path: Path, edits: list[tuple[int, int, bytes]]
+) -> None:
+    data = VALID
+    for at, cut, inserted in edits:
+        data = data[:at] + inserted + data[at + cut :]
+    path = tmp_path / "damaged.yaml"
+    path.write_bytes(data)
+    message = ""
+    try:
+        load(str(path))
+    except ProfileError as error:
+        message = str(error)
+    assert not message or message.startswith((f"{path}: ", f"--config {path}: "))
+    assert "\n" not in message
+
+
+def one_entry(kind: str, entry: str) -> str:
+    return f"resources: [{{name: a.example.com/x, {kind}: [{{{entry}}}]}}]"
+
+
+REFUSED_UNLESS_OPTED_IN = "refused unless this entry sets allowSensitiveHostPath: true"
+
+
+@pytest.mark.parametrize(
+    ("kind", "host_path", "hazard"),
+    [
+        ("mounts", "/", "/ is the host's whole filesystem"),
+        ("mounts", "//etc/", "/etc is the host's configuration and credentials"),
+        ("mounts", "/usr/../etc/kubernetes", "/etc/kubernetes is inside /etc (the host's"),
+        ("mounts", "/proc", "/proc is the host's processes and kernel settings"),
+        ("mounts", "/sys/fs/cgroup", "/sys/fs/cgroup is inside /sys"),
+        ("mounts", "/dev", "/dev is every device node of the host"),
+        ("mounts", "/boot", "/boot is the host's kernel and boot loader"),
+        ("mounts", "/root/.ssh", "/root/.ssh is inside /root"),
+        ("mounts", "/var/lib/kubelet/", "/var/lib/kubelet is kubelet's state"),
+        ("mounts", "/var/lib/kubelet/pods", "/var/lib/kubelet/pods is inside /var/lib/kubelet"),
+        ("mounts", "/var", "/var holds /var/lib/kubelet"),
+        ("mounts", "/run", "/run holds /run/containerd (containerd's socket directory"),
+        ("mounts", "/var/run/pcc/..", "/var/run holds /var/run/containerd"),
+        ("mounts", "/run/containerd", "/run/containerd is containerd's socket directory"),
+        ("mounts", "/var/run/containerd", "/var/run/containerd is containerd's socket"),
+        ("mounts", "/run/crio", "/run/crio is CRI-O's socket directory"),
+        ("mounts", "/var/run/crio/", "/var/run/crio is CRI-O's socket directory"),
+        ("mounts", "/run/docker.sock", "/run/docker.sock is Docker's socket"),
+        ("mounts", "/var/run/docker.sock", "/var/run/docker.sock is Docker's socket"),
+        ("mounts", "/var/run/dockershim.sock", "/var/run/dockershim.sock is dockershim's"),
+        ("mounts", "/var/lib/containerd", "/var/lib/containerd is containerd's storage"),
+        ("devices", "/dev/mem", "/dev/mem is the host's physical memory"),
+        ("devices", "/dev/./kmem", "/dev/kmem is the kernel's memory"),
+        ("devices", "//dev/port", "/dev/port is the host's I/O ports"),
+        ("devices", "/dev/*", "/dev/* matches /dev/mem (the host's physical memory)"),
+        ("devices", "/dev/[kx]mem", "/dev/[kx]mem matches /dev/kmem (the kernel's memory)"),
+    ],
+)
+def test_sensitive_host_paths_are_refused_without_an_opt_in(
+    tmp_path: Path, kind: str, host_path: str, hazard: str
+) -> None:
+    path = write(tmp_path, one_entry(kind, f"hostPath: {host_path!r}"))
+    with pytest.raises(ProfileError) as error:
+        load(path)
+    assert str(error.value).startswith(f"{path}: resources[0].{kind}[0].hostPath: {hazard}")
+    assert str(error.value).endswith(f"{REFUSED_UNLESS_OPTED_IN} (docs/profiles.md)")
+
+
+def test_an_entry_may_opt_in_to_a_sensitive_host_path(tmp_path: Path) -> None:
+    (spec,) = load(
+        write(
+            tmp_path,
+            """
+            resources:
+              - name: a.example.com/x
+                devices:
+                  - {hostPath: /dev/mem, permissions: r, allowSensitiveHostPath: true}
+                  - {hostPath: /dev/vda, allowSensitiveHostPath: false}
+                mounts:
+                  - hostPath: /var/lib/kubelet/pod-resources/
+                    allowSensitiveHostPath: true
+            """,
+        )
+    )
+    assert spec.device_nodes == (
+        DeviceNode("/dev/mem", "/dev/mem", "r", "char", allow_sensitive=True),
+        DeviceNode("/dev/vda", "/dev/vda", "rw", "char"),
+    )
+    assert spec.mounts == (
+        HostMount(
+            "/var/lib/kubelet/pod-resources",
+            "/var/lib/kubelet/pod-resources",
+            allow_sensitive=True,
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            "hostPath: /var/run/pcc, allowSensitiveHostPath: true",
+            "resources[0].mounts[0].allowSensitiveHostPath: hostPath is not a sensitive host "
+            "path: remove the opt-in",
+        ),
+        (
+            "hostPath: /etc, allowSensitiveHostPath: 'yes'",
+            "resources[0].mounts[0].allowSensitiveHostPath: must be true or false, got 'yes'",
+        ),
+    ],
+)
+def test_an_opt_in_must_be_needed_and_boolean(tmp_path: Path, entry: str, message: str) -> None:
+    path = write(tmp_path, one_entry("mounts", entry))
+    with pytest.raises(ProfileError, match=re.escape(f"{path}: {message}")):
+        load(path)
+
+
+def test_paths_are_handed_out_normalised(tmp_path: Path) -> None:
+    (spec,) = load(
+        write(
+            tmp_path,
+            one_entry("mounts", "hostPath: //var/run/./pcc/, containerPath: /pcc/../run/pcc/"),
+        )
+    )
+    assert spec.mounts == (HostMount("/var/run/pcc", "/run/pcc"),)
+
+
+async def test_each_opt_in_is_a_warning_at_start(
+    fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    config = fake_node.root / "profiles.yaml"
+    config.write_text(
+        textwrap.dedent(
+            """
+            resources:
+              - name: a.example.com/x
+                devices:
+                  - {hostPath: /dev/sev-guest}
+                  - {hostPath: /dev/mem, allowSensitiveHostPath: true}
+                mounts: [{hostPath: /var/lib/kubelet/pod-resources, allowSensitiveHostPath: true}]
+              - name: b.example.com/y
+                mounts: [{hostPath: /var/run/pcc}]
+            """
+        )
+    )
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0), f"--config={config}")
+        await run_blocking(daemon.wait_for_log, "Serving /metrics", 10.0)
+    warnings = [line for line in daemon.log_text().splitlines() if "allowSensitiveHostPath" in line]
+    assert [line[0] for line in warnings] == ["W", "W"]
+    assert [line.split("] ", 1)[1] for line in warnings] == [
+        "a.example.com/x: /dev/mem is the host's physical memory; containers get it: "
+        "its entry sets allowSensitiveHostPath",
+        "a.example.com/x: /var/lib/kubelet/pod-resources is inside /var/lib/kubelet "
+        "(kubelet's state, with every pod's volumes and secrets); containers get it: "
+        "its entry sets allowSensitiveHostPath",
+    ]
+
+
 async def test_two_resources_at_once_one_with_its_device_missing(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
@@ -226,15 +592,60 @@ async def test_two_resources_at_once_one_with_its_device_missing(
         assert sorted(p.name for p in cdi_dir.iterdir()) == specs
 
 
-async def test_a_bad_config_is_a_usage_error(
-    fake_node: FakeNode, start_daemon: StartDaemon
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        pytest.param(
+            b"resources: [{name: x}]\n",
+            "resources[0].name: 'x' would be rejected by kubelet: needs the form domain/name, "
+            "e.g. example.com/device",
+            id="bad name",
+        ),
+        pytest.param(
+            "resources: []\n".encode("utf-16"),
+            "is UTF-16 or UTF-32 (it starts with a byte-order mark); save it as UTF-8",
+            id="UTF-16",
+        ),
+        pytest.param(
+            b"resources:\n  - name: \xff\n",
+            "is not UTF-8: byte 0xff at line 2, column 11; save it as UTF-8",
+            id="not UTF-8",
+        ),
+        pytest.param(
+            b'resources: [{name: a.b/c, devices: [{hostPath: "/dev/x\\0"}]}]\n',
+            "resources[0].devices[0].hostPath: contains a NUL character",
+            id="NUL",
+        ),
+        pytest.param(
+            b"resources:\n  - name: a.com/x\n    name: b.com/y\n    mounts: [{hostPath: /m}]\n",
+            "resources[0].name: duplicate key at line 3 (first at line 2)",
+            id="duplicate key",
+        ),
+        pytest.param(
+            b"a: &a x\nb: [" + b", ".join([b"*a"] * 30_000) + b"]\n",
+            f"at line 2, column {5 + 4 * MAX_ALIASES}: more than {MAX_ALIASES} aliases",
+            id="aliases",
+        ),
+        pytest.param(
+            b"resources: [{name: a.b/c, mounts: [{hostPath: /var/run}]}]\n",
+            "resources[0].mounts[0].hostPath: /var/run holds /var/run/containerd (containerd's "
+            "socket directory, root on the node): refused unless this entry sets "
+            "allowSensitiveHostPath: true (docs/profiles.md)",
+            id="sensitive mount",
+        ),
+        pytest.param(
+            b"#" * (MAX_BYTES + 1),
+            f"is larger than {MAX_BYTES // 1024} KiB, the most it may be",
+            id="too large",
+        ),
+    ],
+)
+async def test_a_bad_config_is_a_usage_error_of_one_line(
+    fake_node: FakeNode, start_daemon: StartDaemon, data: bytes, problem: str
 ) -> None:
     config = fake_node.root / "profiles.yaml"
-    config.write_text("resources: [{name: x}]\n")
+    config.write_bytes(data)
     with trio.fail_after(20):
         daemon = start_daemon(*fake_node.daemon_args(), f"--config={config}")
         assert await run_blocking(daemon.proc.wait, 15) == 2
-        assert daemon.log_text().strip() == (
-            f"pcc-device-plugin: {config}: resources[0].name: 'x' would be rejected by kubelet: "
-            "needs the form domain/name, e.g. example.com/device (see --help)"
-        )
+    assert daemon.log_text() == f"pcc-device-plugin: {config}: {problem} (see --help)\n"

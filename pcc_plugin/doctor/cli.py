@@ -17,7 +17,7 @@ from pcc_plugin.doctor.kubelet import (
     check_plugin_dir,
     expected_devices,
 )
-from pcc_plugin.doctor.node import check_device, check_mount
+from pcc_plugin.doctor.node import check_device, check_mount, check_pcc_node
 from pcc_plugin.doctor.readyz import check_readyz
 from pcc_plugin.doctor.report import Result, skipped
 from pcc_plugin.flags import Flags
@@ -37,16 +37,20 @@ async def examine(
 ) -> None:
     """Run every check in order and `report` each result as it comes."""
     host_root = config.host_root
-    node_checks: dict[str, Result] = {}
-    for spec in specs:
-        for node in spec.device_nodes:
-            node_checks.setdefault(f"device {node.host_path}", check_device(node, host_root))
-        for mount in spec.mounts:
-            node_checks.setdefault(
-                f"{mount.label} {mount.host_path}", check_mount(mount, host_root)
-            )
-    for result in node_checks.values():
-        report(result)
+    if config.config:
+        node_checks: dict[str, Result] = {}
+        for spec in specs:
+            for node in spec.device_nodes:
+                node_checks.setdefault(f"device {node.host_path}", check_device(node, host_root))
+            for mount in spec.mounts:
+                node_checks.setdefault(
+                    f"{mount.label} {mount.host_path}", check_mount(mount, host_root)
+                )
+        for result in node_checks.values():
+            report(result)
+    else:
+        for result in check_pcc_node(specs[0], host_root):
+            report(result)
     plugin_dir = Path(config.device_plugin_path)
     directory = check_plugin_dir(plugin_dir)
     report(directory)
@@ -83,6 +87,8 @@ def main(argv: Sequence[str]) -> NoReturn:
     trio.run(examine, config, specs, report)
     counts = collections.Counter(result.status for result in results)
     print(
-        f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped.", flush=True
+        f"{counts['PASS']} passed, {counts['WARN']} warned, {counts['FAIL']} failed, "
+        f"{counts['SKIP']} skipped.",
+        flush=True,
     )
     sys.exit(1 if counts["FAIL"] else 0)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
+import posixpath
 import stat
+from pathlib import Path
 
 from pcc_plugin.doctor.mountinfo import mount_of
 from pcc_plugin.doctor.report import (
@@ -15,8 +17,11 @@ from pcc_plugin.doctor.report import (
     is_within,
     kind,
     passed,
+    skipped,
+    warned,
 )
-from pcc_plugin.resource import DeviceNode, DeviceType, HostMount, seen_from_here
+from pcc_plugin.resource import DeviceNode, DeviceType, HostMount, ResourceSpec, seen_from_here
+from pcc_plugin.sensitive import normalised
 
 DEVICE_WORDS: dict[DeviceType, str] = {"char": "a character device", "block": "a block device"}
 
@@ -119,3 +124,81 @@ def check_mount(mount: HostMount, host_root: str) -> Result:
     if mount.read_only:
         return passed(check, f"{path} is a directory")
     return _writable(check, mount, path, host_root)
+
+
+def through_symlink(result: Result, host_path: str, host_root: str, fix: str) -> Result:
+    """A passing check becomes a WARN when the path is a symlink: containers get where it
+    leads, and under --host-root an absolute target is followed in this container instead."""
+    path = seen_from_here(host_root, host_path)
+    if result.status != "PASS" or not os.path.islink(path):
+        return result
+    target = os.readlink(path)
+    leads_to = normalised(posixpath.join(posixpath.dirname(host_path), target))
+    return warned(
+        result.check,
+        f"{result.detail}, but a symlink to {target}: containers get {leads_to}",
+        fix,
+    )
+
+
+SEV_GUEST_SYSFS = "/sys/class/misc/sev-guest/dev"
+
+
+def check_sev_guest(node: DeviceNode, host_root: str) -> Result:
+    """The device is the one the SEV-SNP guest driver registered (sysfs names its numbers)."""
+    check = "SEV-SNP guest device"
+    path = seen_from_here(host_root, node.host_path)
+    try:
+        info = os.stat(path)
+    except OSError:
+        info = None
+    if info is None or not stat.S_ISCHR(info.st_mode):
+        return skipped(check, f"not checked until {path} is a character device")
+    numbers = f"{os.major(info.st_rdev)}:{os.minor(info.st_rdev)}"
+    # sysfs is not namespaced: a container's own /sys shows the host kernel's devices, so
+    # <--host-root>/sys is read only where the host's /sys is mounted there.
+    sysfs = host_root + "/sys" if host_root and os.path.isdir(host_root + "/sys") else "/sys"
+    sysfs_file = sysfs + SEV_GUEST_SYSFS.removeprefix("/sys")
+    try:
+        driver_numbers = Path(sysfs_file).read_text().strip()
+    except FileNotFoundError:
+        return warned(
+            check,
+            f"{sysfs_file} does not exist: the sev-guest driver is not loaded, so nothing says "
+            f"that {path} ({numbers}) is the SEV-SNP guest device",
+            "on an SEV-SNP guest, load the driver (modprobe sev-guest); on other nodes there is "
+            "no PCC device: remove its label tke.cloud.tencent.com/pcc-device-plugin",
+        )
+    except OSError as exc:
+        return warned(check, f"cannot read {sysfs_file}: {exc.strerror}", AS_ROOT)
+    if driver_numbers != numbers:
+        return warned(
+            check,
+            f"{path} is device {numbers}, but the sev-guest driver's is {driver_numbers} "
+            f"({sysfs_file})",
+            "give --pcc-device the sev-guest driver's device node (/dev/sev-guest on the host)",
+        )
+    return passed(check, f"{path} is the sev-guest driver's device ({numbers})")
+
+
+def check_pcc_node(spec: ResourceSpec, host_root: str) -> list[Result]:
+    """The PCC profile's device and directory, and that the device is the SEV-SNP guest's."""
+    (device,) = spec.device_nodes
+    (pcc_dir,) = spec.mounts
+    return [
+        through_symlink(
+            check_device(device, host_root),
+            device.host_path,
+            host_root,
+            f"make {device.host_path} the device node itself (the sev-guest driver creates it), "
+            "or give --pcc-device the node it leads to",
+        ),
+        check_sev_guest(device, host_root),
+        through_symlink(
+            check_mount(pcc_dir, host_root),
+            pcc_dir.host_path,
+            host_root,
+            "give --pcc-socket-path the directory it leads to, so that the daemon checks and "
+            "watches the directory containers get",
+        ),
+    ]

@@ -1,10 +1,14 @@
 """The daemon on a fake node with a simulated kubelet, told as a short story.
 
-python -m pcc_plugin.sim.demo
+    python -m pcc_plugin.sim.demo [--keep]
+
+Each step is followed by the daemon's own log lines (at --v=1) that it caused. With --keep,
+the fake node, the daemon's log and the kubelet's events stay, and the end says where.
 """
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import time
@@ -28,10 +32,21 @@ class Story:
     def __init__(self) -> None:
         self.step = 0
         self.started = time.monotonic()
+        self.daemon: Daemon | None = None
+        self._shown = 0
 
     def tell(self, text: str) -> None:
         self.step += 1
         print(f"{self.step}. {text}")
+
+    def show_log(self) -> None:
+        """The daemon's log lines since the last step, indented under it."""
+        if self.daemon is None:
+            return
+        lines = self.daemon.log_text().splitlines()
+        for line in lines[self._shown :]:
+            print(f"     | {line}")
+        self._shown = len(lines)
 
     def lap(self) -> int:
         """Milliseconds since the previous lap."""
@@ -64,11 +79,12 @@ def registered(kubelet: SimKubelet, times: int) -> bool:
 
 
 class Demo:
-    def __init__(self) -> None:
+    def __init__(self, keep: bool) -> None:
         self.story = Story()
         self.node = FakeNode.create()
         self.kubelet = SimKubelet(self.node.plugin_dir)
         self.daemon: Daemon | None = None
+        self.keep = keep
 
     def run(self) -> int:
         story, node, kubelet = self.story, self.node, self.kubelet
@@ -80,7 +96,7 @@ class Demo:
         kubelet.start()
         story.tell(f"The simulated kubelet serves {kubelet.socket_path} ({story.lap()} ms).")
 
-        self.daemon = daemon = Daemon.spawn_plugin(
+        self.daemon = self.story.daemon = daemon = Daemon.spawn_plugin(
             node.daemon_args(verbosity=1), node.root / "daemon.log"
         )
         # The log first: waiting on it fails at once if the daemon exits.
@@ -92,21 +108,24 @@ class Demo:
         story.tell(
             f"The daemon (pid {daemon.pid}) registered {registration.resource_name} "
             f"at endpoint {registration.endpoint} {story.lap()} ms after it was started, "
-            f"and lists {len(devices)} devices, {healthy} healthy."
+            f"and lists {len(devices)} devices, {healthy} healthy. Its log:"
         )
+        story.show_log()
         self.allocate_one()
 
         kubelet.restart()
         story.tell(f"Kubelet restarted, wiping every socket in its directory ({story.lap()} ms).")
         daemon.wait_for_log(REGISTERED, TIMEOUT, count=2)
         kubelet.wait_for(lambda: registered(kubelet, 2), TIMEOUT)
-        story.tell(f"The daemon noticed and registered again after {story.lap()} ms.")
+        story.tell(f"The daemon noticed and registered again after {story.lap()} ms:")
+        story.show_log()
         self.allocate_one()
 
         returncode = daemon.terminate(signal.SIGTERM, TIMEOUT)
         story.tell(
             f"SIGTERM sent: the daemon exited with code {returncode} after {story.lap()} ms."
         )
+        story.show_log()
         return 0 if returncode == 0 else 1
 
     def allocate_one(self) -> None:
@@ -119,17 +138,40 @@ class Demo:
         )
         for line in what_the_container_gets(response):
             print(f"     {line}")
+        if self.story.step == 4:
+            print(
+                "   (Paths are the host's, as kubelet wants them: on a real node /dev/sev-guest "
+                "is the node's own device. Here no container starts and nothing on this "
+                "machine is touched; the daemon looked at the fake node under "
+                f"{self.node.host_root} through --host-root.)"
+            )
+        self.story.show_log()
 
     def close(self) -> None:
         if self.daemon is not None:
             self.daemon.close()
         self.kubelet.stop()
-        self.node.remove()
+        if self.keep:
+            (self.node.root / "kubelet-events.log").write_text(
+                "\n".join(self.kubelet.events) + "\n"
+            )
+            print(
+                f"\nKept: the fake node in {self.node.root}, the daemon's log in "
+                f"{self.node.root / 'daemon.log'}, the simulated kubelet's events in "
+                f"{self.node.root / 'kubelet-events.log'}. Remove them with: rm -r {self.node.root}"
+            )
+        else:
+            self.node.remove()
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m pcc_plugin.sim.demo", allow_abbrev=False)
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the fake node and the logs, and say where"
+    )
+    args = parser.parse_args()
     print("pcc-device-plugin demo: the real daemon, a simulated kubelet, a fake node\n")
-    demo = Demo()
+    demo = Demo(keep=args.keep)
     try:
         status = demo.run()
     except (TimeoutError, RuntimeError, NoPluginError, grpc.RpcError) as error:

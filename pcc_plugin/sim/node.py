@@ -39,6 +39,8 @@ class FakeNode:
         # A symlink to /dev/null is a character device to stat(), like the real sev-guest.
         os.symlink("/dev/null", node.device)
         node.pcc_dir.mkdir(parents=True)
+        # A sysfs that names no sev-guest device, as on a node without the driver.
+        (host_root / "sys" / "class" / "misc").mkdir(parents=True)
         return node
 
     def daemon_args(self, verbosity: int = 2) -> list[str]:

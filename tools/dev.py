@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Run the project's nox sessions with nothing but python3 (3.11 or newer):
+
+    python3 tools/dev.py -s demo      # the demo
+    python3 tools/dev.py              # the default sessions: lint, typecheck, tests
+    python3 tools/dev.py -s bench     # any session, any nox argument
+
+Nothing is installed into that python3, so a distribution's own interpreter works as it is
+(Debian's and Ubuntu's refuse `pip install` outside a virtual environment, PEP 668). The
+first run fetches uv, a pinned release whose SHA-256 is checked, into .cache/dev/ in the
+repository; uv then runs the pinned nox, and nox's sessions make their virtual environments
+with uv from this same python3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import platform
+import stat
+import sys
+import urllib.request
+import zipfile
+from pathlib import Path
+
+NOX_VERSION = "2026.10.20"
+UV_VERSION = "0.13.9"
+# The wheel of that uv release for each machine, and its SHA-256 as PyPI publishes it.
+UV_WHEELS = {
+    "x86_64": (
+        f"uv-{UV_VERSION}-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "d7f459fe4fd247d830351c75686d3996ace3c6f3f728eb0e85a30b7ada0cef19",
+    ),
+    "aarch64": (
+        f"uv-{UV_VERSION}-py3-none-manylinux_2_17_aarch64.manylinux2014_aarch64"
+        ".musllinux_1_1_aarch64.whl",
+        "5435c5ce14a56431208ca0996416d310f1598e8c2c8ba707688985a16bb82dbe",
+    ),
+    "ppc64le": (
+        f"uv-{UV_VERSION}-py3-none-manylinux_2_17_ppc64le.manylinux2014_ppc64le.whl",
+        "c5dbdb7c8737cd183a9dce95b39cfd1f3d54ec2a27a1bb58f160293f9ba2c805",
+    ),
+    "s390x": (
+        f"uv-{UV_VERSION}-py3-none-manylinux_2_17_s390x.manylinux2014_s390x.whl",
+        "a6e845f387e4ed55bb59342957a9179e24a631fcc7668bda3426ae1cef8ed4b9",
+    ),
+}
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "dev" / f"uv-{UV_VERSION}"
+INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+
+
+def fail(message: str) -> None:
+    print(f"tools/dev.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def wheel_url(filename: str) -> str:
+    request = urllib.request.Request(
+        f"{INDEX}/uv/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.load(response)["files"]
+    for entry in files:
+        if entry["filename"] == filename:
+            url: str = entry["url"]
+            return url
+    fail(f"{INDEX}/uv/ lists no {filename}")
+    raise AssertionError
+
+
+def uv_binary() -> Path:
+    binary = CACHE / "uv"
+    if binary.exists():
+        return binary
+    machine = platform.machine()
+    if sys.platform != "linux" or machine not in UV_WHEELS:
+        fail(
+            f"no pinned uv for {sys.platform}/{machine}: install uv {UV_VERSION} and nox "
+            f"{NOX_VERSION} yourself (e.g. pipx install nox=={NOX_VERSION}) and run nox"
+        )
+    filename, sha256 = UV_WHEELS[machine]
+    print(f"tools/dev.py: fetching uv {UV_VERSION} from {INDEX} (once)", file=sys.stderr)
+    try:
+        with urllib.request.urlopen(wheel_url(filename), timeout=300) as response:
+            data = response.read()
+    except OSError as exc:
+        fail(f"cannot fetch uv from {INDEX}: {exc}; set PIP_INDEX_URL for a mirror")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        fail(f"{filename} does not have the expected SHA-256: refusing to run it")
+    with zipfile.ZipFile(io.BytesIO(data)) as wheel:
+        content = wheel.read(f"uv-{UV_VERSION}.data/scripts/uv")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    staged = CACHE / "uv.partial"
+    staged.write_bytes(content)
+    staged.chmod(staged.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    staged.replace(binary)
+    return binary
+
+
+def main() -> None:
+    if sys.version_info < (3, 11):  # noqa: UP036 (run by any python3, not only ours)
+        fail(f"needs Python 3.11 or newer, this is {platform.python_version()} ({sys.executable})")
+    uv = uv_binary()
+    env = {**os.environ, "PATH": f"{uv.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    command = [
+        str(uv), "tool", "run", "--python", sys.executable, "--from", f"nox=={NOX_VERSION}",
+        "nox", "--noxfile", str(ROOT / "noxfile.py"), *sys.argv[1:],
+    ]  # fmt: skip
+    os.execve(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main()
