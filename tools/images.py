@@ -433,11 +433,22 @@ def save_archive(arch: Arch) -> Path:
 
 
 def remove_manifest_list() -> None:
-    """Drop the manifest list of a previous build (not its images), freeing its name."""
+    """Drop the manifest list of a previous build (not its images), freeing its name.
+
+    By ID: podman 4.3 resolves a list's name to this machine's platform, and fails for a list
+    without it (PCC_IMAGE_ARCHES=s390x), in `image exists`, `manifest rm` and `untag` alike.
+    """
     name = manifest_list()
-    if _exists(name):
-        subprocess.run(["podman", "manifest", "rm", name], capture_output=True, check=False)
-        subprocess.run(["podman", "untag", name], capture_output=True, check=False)
+    listing = subprocess.run(
+        ["podman", "images", "--all", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for image_id in (line.split()[0] for line in listing if line.split()[1:] == [name]):
+        removed = subprocess.run(["podman", "manifest", "rm", image_id], capture_output=True)
+        if removed.returncode != 0:  # a plain image holds the name
+            subprocess.run(["podman", "untag", image_id, name], capture_output=True, check=False)
 
 
 def publish_manifest_list(arches: Iterable[Arch]) -> str:
