@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
 import re
 import shutil
-import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import nox
+
+# tools/images.py builds the image for each architecture (issue 12).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
+import images
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "typecheck", "tests"]
@@ -105,16 +109,6 @@ def lock(session: nox.Session) -> None:
 
 # Shipping: manifests, Containerfile, image.
 
-IMAGE_ARCHES = ("x86_64", "aarch64", "ppc64le", "s390x")
-IMAGE_CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin"))
-BASE_SUITE = "bookworm"
-BASE_PACKAGES = "python3,python3-venv"
-DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-EXTRA_CAS = Path("/usr/local/share/ca-certificates")
-# The image session leaves its images here as docker-archive tarballs; nox -s e2e reads them.
-IMAGE_ARCHIVES = ROOT / "build" / "images"
-NATIVE_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
-
 
 @nox.session
 def manifests(session: nox.Session) -> None:
@@ -136,7 +130,7 @@ def manifests(session: nox.Session) -> None:
     session.run("hadolint", "Containerfile")
     # The same exceptions to "wheels only" as the Containerfile's pip install makes.
     from_source = re.findall(r"--no-binary=(\S+)", (ROOT / "Containerfile").read_text())
-    for arch in IMAGE_ARCHES:
+    for arch in (a.machine for a in images.ARCHES.values()):
         session.log(f"{arch}-manylinux_2_28: wheels for every runtime dependency but {from_source}")
         session.run(
             _uv(), "pip", "compile", "--quiet", "--no-deps", "--only-binary", ":all:",
@@ -155,161 +149,103 @@ def _uv() -> str:
     return uv_bin
 
 
-def _podman_images() -> set[str]:
-    listing = subprocess.run(
-        ["podman", "images", "--all", "--quiet", "--no-trunc"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return set(listing.stdout.split())
-
-
-def _unmount_below(path: Path) -> None:
-    """Unmount whatever a failed debootstrap left mounted inside `path` (its /proc, /sys)."""
-    with open("/proc/self/mounts") as mounts:
-        targets = [line.split()[1] for line in mounts]
-    for target in sorted(targets, key=len, reverse=True):
-        if Path(target).is_relative_to(path):
-            subprocess.run(["umount", "--lazy", target], check=False)
-
-
-def local_base_image(session: nox.Session) -> str:
-    """Debian minbase with python3 and venv, imported into podman; cached on this machine.
-
-    The debootstrap tree is kept as a tarball in IMAGE_CACHE and the imported image in podman's
-    store, both keyed by the recipe. This machine's extra CA certificates go into the base, so
-    that pip inside `podman build` trusts what the host trusts (here a TLS-inspecting proxy);
-    the image never leaves the machine.
-    """
-    cas = sorted(EXTRA_CAS.glob("**/*.crt"))
-    digest = hashlib.sha256(f"v1 {BASE_SUITE} minbase {BASE_PACKAGES}".encode())
-    for ca in cas:
-        digest.update(ca.read_bytes())
-    key = f"{BASE_SUITE}-{digest.hexdigest()[:12]}"
-    ref = f"localhost/pcc-device-plugin-base:{key}"
-    if subprocess.run(["podman", "image", "exists", ref], check=False).returncode == 0:
-        session.log(f"base image {ref}: cached")
-        return ref
-    IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
-    tarball = IMAGE_CACHE / f"base-{key}.tar"
-    if not tarball.exists():
-        with tempfile.TemporaryDirectory(dir=IMAGE_CACHE) as tmp:
-            rootfs = Path(tmp) / "rootfs"
-            try:
-                session.run(
-                    "debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}",
-                    BASE_SUITE, str(rootfs), external=True, silent=True,
-                )  # fmt: skip
-                for ca in cas:
-                    shutil.copy(ca, rootfs / "usr/local/share/ca-certificates" / ca.name)
-                if cas:
-                    session.run(
-                        "chroot", str(rootfs), "update-ca-certificates", external=True, silent=True
-                    )
-                for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
-                    for entry in (rootfs / cache).glob("*"):
-                        if entry.is_file():
-                            entry.unlink()
-                partial = Path(tmp) / "base.tar"
-                session.run(
-                    "tar", "--numeric-owner", "--exclude=./dev/*", "--exclude=./proc/*",
-                    "--exclude=./sys/*", "-C", str(rootfs), "-cf", str(partial), ".",
-                    external=True,
-                )  # fmt: skip
-                os.replace(partial, tarball)
-            finally:
-                _unmount_below(rootfs)
-        for stale in IMAGE_CACHE.glob("base-*.tar"):
-            if stale != tarball:
-                stale.unlink()
-    session.run(
-        "podman",
-        "import",
-        "--change",
-        f"ENV PATH={DEBIAN_PATH}",
-        str(tarball),
-        ref,
-        external=True,
-        silent=True,
-    )
-    return ref
-
-
-@nox.session
-def image(session: nox.Session) -> None:
-    """Build the image from the Containerfile on a local Debian base, check it, start it.
-
-    Only BASE_IMAGE is overridden. tests/test_image.py checks the image's contents and starts
-    the plugin from its filesystem against the simulated kubelet. Every image this session
-    builds is removed from podman at the end, failed or not; the base stays cached, and the
-    checked image stays as build/images/pcc-device-plugin-linux-<arch>.tar (docker-archive),
-    which nox -s e2e runs.
-    """
+def _image_tools_missing() -> str | None:
     missing = [
         tool
         for tool in ("podman", "debootstrap", "unshare", "chroot", "kubectl")
         if shutil.which(tool) is None
     ]
     if os.geteuid() != 0 or missing:
-        session.error(
-            "nox -s image needs root and podman, debootstrap, unshare, chroot, kubectl "
-            f"(.ci/run installs them); missing: {', '.join(missing) or 'root'}"
+        return (
+            "needs root and podman, debootstrap, unshare, chroot, kubectl (.ci/run installs "
+            f"them); missing: {', '.join(missing) or 'root'}"
         )
-    install_dev(session)
-    base = local_base_image(session)
-    tag = f"localhost/pcc-device-plugin:nox-{os.getpid()}"
-    before = _podman_images()
+    return None
+
+
+def _image_arches(session: nox.Session) -> list[images.Arch]:
+    """PCC_IMAGE_ARCHES (comma-separated Go names; all four by default), each runnable here."""
     try:
-        build_image(session, base, tag)
-        for ref in (base, tag):
-            size = subprocess.run(
-                ["podman", "image", "inspect", "--format", "{{.Size}}", ref],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            session.log(f"image size: {ref}: {int(size) / 1e6:.0f} MB")
-        session.run(
-            "pytest",
-            "tests/test_image.py",
-            *session.posargs,
-            env={"PCC_IMAGE": tag, "PCC_REQUIRE_KUBECTL": "1"},
+        arches = images.selected(os.environ.get("PCC_IMAGE_ARCHES"))
+    except ValueError as error:
+        session.error(f"PCC_IMAGE_ARCHES: {error}")
+    if images.NATIVE is None:
+        session.error(
+            f"nox -s image builds on {', '.join(images.ARCHES)}, not {os.uname().machine}"
         )
-        save_image(session, tag, NATIVE_ARCH)
-    finally:
-        created = _podman_images() - before
-        if created:
-            subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)
+    for arch in arches:
+        problem = images.emulation_problem(arch)
+        if problem:
+            session.error(f"nox -s image {problem} (.ci/run registers qemu-user-static's handlers)")
+    return arches
 
 
-def build_image(session: nox.Session, base: str, tag: str) -> None:
-    """The image from the Containerfile on `base`, tagged `tag` in podman's store."""
+@nox.session(venv_backend="none")
+def image_bases(session: nox.Session) -> None:
+    """Only the debootstrapped bases of `nox -s image`, for CI to start early, in the background.
+
+    Partly download and partly emulated, they can use the core the test suite leaves idle.
+    """
+    problem = _image_tools_missing()
+    if problem:
+        session.error(f"nox -s image_bases {problem}")
+    started = time.monotonic()
+    arches = _image_arches(session)
+    assert images.NATIVE is not None
+    images.base_images([images.NATIVE, *arches], session.log)
+    session.log(f"bases ready after {time.monotonic() - started:.0f} s")
+
+
+@nox.session
+def image(session: nox.Session) -> None:
+    """Build the image for each architecture, check it, start the plugin from it under emulation.
+
+    The Containerfile, once per architecture (PCC_IMAGE_ARCHES, comma-separated; all four by
+    default) on a local debootstrapped base of that architecture (cached, see tools/images.py).
+    tests/test_image.py checks each image's contents and architecture and starts the plugin from
+    its filesystem against the simulated kubelet. Leaves build/images/*.tar, the images and the
+    manifest list localhost/pcc-device-plugin:<version> in podman's store; removes the build's
+    intermediate images.
+    """
+    problem = _image_tools_missing()
+    if problem:
+        session.error(f"nox -s image {problem}")
+    arches = _image_arches(session)
+    install_dev(session)
+    started = time.monotonic()
+    assert images.NATIVE is not None
+    bases = images.base_images([images.NATIVE, *arches], session.log)
+    session.log(f"bases ready after {time.monotonic() - started:.0f} s")
+    images.remove_manifest_list()
+    tags = {}
+    with images.removing_intermediates(arches):
+        for arch in arches:
+            tags[arch] = images.build(arch, bases, session.run)
+            archive = images.save_archive(arch)
+            session.log(
+                f"image {arch.name}: {tags[arch]}, {images.size(tags[arch]) / 1e6:.0f} MB "
+                f"(base {images.size(bases[arch]) / 1e6:.0f} MB); "
+                f"{archive.relative_to(ROOT)} {archive.stat().st_size / 1e6:.0f} MB"
+            )
+    session.log(f"images built after {time.monotonic() - started:.0f} s")
+    name = images.publish_manifest_list(arches)
+    session.log(f"manifest list {name}: {', '.join(a.platform for a in arches)}")
+    report = ROOT / "build" / "image-starts.json"
+    report.unlink(missing_ok=True)
     session.run(
-        "podman", "build", "--isolation=chroot", "--pull=never",
-        "--build-arg", f"BASE_IMAGE={base}", "--tag", tag, "--file", "Containerfile", ".",
-        external=True,
-    )  # fmt: skip
-
-
-def image_archive(arch: str) -> Path:
-    """Where the image session leaves the image of `arch` (Go's name: amd64, arm64, ...)."""
-    return IMAGE_ARCHIVES / f"pcc-device-plugin-linux-{arch}.tar"
-
-
-def save_image(session: nox.Session, tag: str, arch: str) -> Path:
-    """`tag` as a docker-archive tarball at image_archive(arch), written by rename."""
-    target = image_archive(arch)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".tar.partial")
-    partial.unlink(missing_ok=True)
-    session.run(
-        "podman", "save", "--quiet", "--format", "docker-archive", "--output", str(partial), tag,
-        external=True,
-    )  # fmt: skip
-    os.replace(partial, target)
-    session.log(f"image archive: {target.relative_to(ROOT)} ({target.stat().st_size / 1e6:.0f} MB)")
-    return target
+        "pytest",
+        "tests/test_image.py",
+        *session.posargs,
+        env={
+            "PCC_IMAGES": ",".join(f"{a.name}={t}" for a, t in tags.items()),
+            "PCC_IMAGE_REPORT": str(report),
+            "PCC_REQUIRE_KUBECTL": "1",
+        },
+    )
+    if report.exists():
+        for line in report.read_text().splitlines():
+            session.log(f"start -> registered: {line}")
+    session.log(f"nox -s image took {time.monotonic() - started:.0f} s")
 
 
 def _image_inputs() -> list[Path]:
@@ -325,10 +261,13 @@ def _image_inputs() -> list[Path]:
 def native_image_archive(session: nox.Session) -> Path:
     """The image for this machine's architecture as a docker-archive tarball.
 
-    Left by `nox -s image` (which CI runs first); built here the same way when it is missing or
-    older than what goes into the image. Only images this call creates are removed again.
+    Left by `nox -s image` (which CI runs first); built here the same way (tools/images.py)
+    when it is missing or older than what goes into the image.
     """
-    archive = image_archive(NATIVE_ARCH)
+    native = images.NATIVE
+    if native is None:
+        session.error(f"no image for {os.uname().machine}: only for {', '.join(images.ARCHES)}")
+    archive = images.archive_path(native)
     if archive.exists():
         built = archive.stat().st_mtime
         newer = [str(p.relative_to(ROOT)) for p in _image_inputs() if p.stat().st_mtime > built]
@@ -336,16 +275,14 @@ def native_image_archive(session: nox.Session) -> Path:
             session.log(f"image archive: {archive.relative_to(ROOT)} (left by nox -s image)")
             return archive
         session.log(f"image archive is older than {', '.join(sorted(newer)[:3])}: rebuilding")
-    base = local_base_image(session)
-    tag = f"localhost/pcc-device-plugin:nox-{os.getpid()}"
-    before = _podman_images()
-    try:
-        build_image(session, base, tag)
-        return save_image(session, tag, NATIVE_ARCH)
-    finally:
-        created = _podman_images() - before
-        if created:
-            subprocess.run(["podman", "rmi", "--force", *sorted(created)], check=False)
+    bases = images.base_images([native], session.log)
+    with images.removing_intermediates([native]):
+        images.build(native, bases, session.run)
+        images.save_archive(native)
+    session.log(
+        f"image archive: {archive.relative_to(ROOT)} ({archive.stat().st_size / 1e6:.0f} MB)"
+    )
+    return archive
 
 
 # A real kubelet.

@@ -1,7 +1,10 @@
-"""The built image, checked from its filesystem, and the plugin started from it.
+"""The built images, checked from their filesystems, and the plugin started from each.
 
-``nox -s image`` builds the image on a local Debian base and runs this file with ``PCC_IMAGE``
-set to it; elsewhere these tests skip. They need root, podman, ``unshare`` and ``chroot``:
+``nox -s image`` builds the image for each architecture on a local Debian base of that
+architecture and runs this file with ``PCC_IMAGES`` set to ``arch=image,...`` (Go's names:
+amd64, arm64, ppc64le, s390x); elsewhere these tests skip. Every test runs once per image, a
+foreign architecture's programs under qemu-user (binfmt_misc with the F flag, so they run in
+the chroot). They need root, podman, ``unshare`` and ``chroot``:
 ``podman run`` cannot start containers in this sandbox, so the plugin is started the way a
 container runtime would start it, by hand. In private mount and network namespaces (the mounts
 vanish with the last process, even when a test fails) the image's root filesystem is made
@@ -11,11 +14,17 @@ host; the entry point then runs under ``chroot --userspec`` as the image's user,
 the image's environment.
 
 What is checked inside the image (``test_nothing_but_the_plugin``): no compiler or build tool on
-the image's PATH (cc, gcc, g++, c++, clang, cpp, make, ld, as); no pip, setuptools or wheel in
-the plugin's virtual environment; no build stage leftovers (/src, /dist, /opt/build); no tests
+the image's PATH (cc, gcc, g++, c++, clang, cpp, make, ld, as); no pip, setuptools, wheel or uv
+in the plugin's virtual environment; no build stage leftovers (/src, /dist, /opt/build); no tests
 directory, no VCS data (.git) under /opt, no pip or uv cache, no wheel files outside the base's
 /usr/share/python-wheels, no apt package cache; and the simulated kubelet's dependencies (grpc,
 protobuf) not installed.
+
+``test_architecture`` fails if the image's Python, a compiled module or a wheel in its virtual
+environment is of another architecture than the image says it is: by the ELF header of the
+interpreter and of every shared object, by the tags of every installed wheel, and by what the
+interpreter itself reports when it runs. ``PCC_IMAGE_REPORT`` names a file that gets one JSON
+line per image with its start → registered time.
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 from manifests_support import (
@@ -45,10 +56,14 @@ from manifests_support import (
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet
 
-IMAGE = os.environ.get("PCC_IMAGE", "")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import images
+
+IMAGES = dict(item.split("=", 1) for item in os.environ.get("PCC_IMAGES", "").split(",") if item)
 pytestmark = pytest.mark.skipif(
-    not IMAGE, reason="runs in `nox -s image`, which builds the image (needs root and podman)"
+    not IMAGES, reason="runs in `nox -s image`, which builds the images (needs root and podman)"
 )
+REPORT = os.environ.get("PCC_IMAGE_REPORT")
 
 VENV = "/opt/pcc-device-plugin"
 ENTRY_POINT = f"{VENV}/bin/pcc-device-plugin"
@@ -65,22 +80,46 @@ def run(*argv: str, timeout: float = 60) -> str:
     return result.stdout
 
 
+@pytest.fixture(scope="module", params=[a for a in images.ARCHES if a in IMAGES], ids=str)
+def arch(request: pytest.FixtureRequest) -> images.Arch:
+    return images.ARCHES[request.param]
+
+
 @pytest.fixture(scope="module")
-def config() -> Obj:
-    inspected = json.loads(run("podman", "image", "inspect", IMAGE))
-    image_config: Obj = inspected[0]["Config"]
+def image(arch: images.Arch) -> str:
+    return IMAGES[arch.name]
+
+
+@pytest.fixture(scope="module")
+def inspected(image: str) -> Obj:
+    found: Obj = json.loads(run("podman", "image", "inspect", image))[0]
+    return found
+
+
+@pytest.fixture(scope="module")
+def config(inspected: Obj) -> Obj:
+    image_config: Obj = inspected["Config"]
     return image_config
 
 
+def emulated(arch: images.Arch) -> bool:
+    return arch != images.NATIVE
+
+
+def patience(arch: images.Arch) -> float:
+    """How much longer than at home a wait may take: qemu-user is some 10 times slower."""
+    return 4.0 if emulated(arch) else 1.0
+
+
 @pytest.fixture(scope="module")
-def rootfs() -> Iterator[Path]:
+def rootfs(image: str) -> Iterator[Path]:
     """The root filesystem of a container created (never started) from the image.
 
     Like a runtime's, it is writable until the start test makes it read-only, so mount points
     can be made in it; podman removes it with the container.
     """
     container = f"pcc-image-test-{os.getpid()}"
-    run("podman", "create", "--name", container, IMAGE)
+    run("podman", "create", "--name", container, image)
     try:
         yield Path(run("podman", "mount", container).strip())
     finally:
@@ -120,8 +159,61 @@ def test_metadata(config: Obj) -> None:
     assert labels["org.opencontainers.image.title"] == NAME
 
 
-def test_entry_point_help(config: Obj, rootfs: Path) -> None:
-    output = run(*image_argv(config, rootfs, "--help"))
+def in_image(rootfs: Path, path: str) -> Path:
+    """`path` inside the image, its symbolic links followed inside the image too."""
+    current = PurePosixPath("/")
+    parts = list(PurePosixPath(path).parts[1:])
+    for _ in range(100):
+        if not parts:
+            return rootfs / str(current).lstrip("/")
+        current /= parts.pop(0)
+        host = rootfs / str(current).lstrip("/")
+        if host.is_symlink():
+            target = PurePosixPath(os.readlink(host))
+            parts = list(target.parts[1:] if target.is_absolute() else target.parts) + parts
+            current = PurePosixPath("/") if target.is_absolute() else current.parent
+    raise AssertionError(f"{path}: too many symbolic links in the image")
+
+
+def test_architecture(arch: images.Arch, inspected: Obj, config: Obj, rootfs: Path) -> None:
+    """The image is of the architecture it was built for, through and through."""
+    assert (inspected["Os"], inspected["Architecture"]) == ("linux", arch.name)
+    # The entry point runs the virtual environment's python, which is the base's interpreter.
+    entry_point = in_image(rootfs, ENTRY_POINT)
+    assert entry_point.read_text().splitlines()[0] == f"#!{VENV}/bin/python"
+    interpreter = in_image(rootfs, f"{VENV}/bin/python")
+    assert interpreter.is_relative_to(rootfs), interpreter
+    assert images.elf_arch(interpreter) == arch, f"{interpreter} is not {arch.name}"
+    venv = rootfs / VENV.lstrip("/")
+    objects = sorted(venv.rglob("*.so*"))
+    assert objects, "no compiled modules: greenlet and multidict have some"
+    wrong = [
+        f"{p.relative_to(venv)}: {images.elf_arch(p)}"
+        for p in objects
+        if images.elf_arch(p) != arch
+    ]
+    assert not wrong, f"shared objects not for {arch.name}: {wrong}"
+    tags = [
+        line.removeprefix("Tag: ")
+        for wheel in venv.glob("lib/python3*/site-packages/*.dist-info/WHEEL")
+        for line in wheel.read_text().splitlines()
+        if line.startswith("Tag: ")
+    ]
+    platforms = {tag.rsplit("-", 1)[1] for tag in tags}
+    assert "any" in platforms
+    wrong_tags = sorted(p for p in platforms if p != "any" and not p.endswith(f"_{arch.machine}"))
+    assert not wrong_tags, f"wheels for other platforms than {arch.machine}: {wrong_tags}"
+    # And the interpreter, run (under qemu-user when foreign), says so itself.
+    python = f"{VENV}/bin/python"
+    argv = image_argv({**config, "Entrypoint": [python]}, rootfs, "-c", MACHINE)
+    assert run(*argv, timeout=60 * patience(arch)).split() == [arch.machine, "64bit"]
+
+
+MACHINE = "import platform; print(platform.machine(), platform.architecture()[0])"
+
+
+def test_entry_point_help(arch: images.Arch, config: Obj, rootfs: Path) -> None:
+    output = run(*image_argv(config, rootfs, "--help"), timeout=60 * patience(arch))
     assert output.startswith("usage: pcc-device-plugin")
     for option in ("--pcc-device", "--pcc-socket-path", "--resource-name", "--resource-count"):
         assert option in output
@@ -143,11 +235,11 @@ print(len(names), "with_libyaml=%s" % yaml.__with_libyaml__)
 """
 
 
-def test_every_daemon_module_imports(config: Obj, rootfs: Path) -> None:
+def test_every_daemon_module_imports(arch: images.Arch, config: Obj, rootfs: Path) -> None:
     """All runtime dependencies are there for this platform, PyYAML's source build included."""
     python = f"{VENV}/bin/python"
     argv = image_argv({**config, "Entrypoint": [python]}, rootfs, "-c", IMPORT_ALL)
-    count, libyaml = run(*argv).split()
+    count, libyaml = run(*argv, timeout=60 * patience(arch)).split()
     assert int(count) >= 5
     # Built from its sdist without a compiler: pure Python, as on every architecture.
     assert libyaml == "with_libyaml=False"
@@ -163,9 +255,10 @@ def test_nothing_but_the_plugin(config: Obj, rootfs: Path) -> None:
     ]
     assert not found, f"build tools in the image: {found}"
     (site,) = (rootfs / VENV.lstrip("/")).glob("lib/python3*/site-packages")
-    for package in ("pip", "setuptools", "wheel", "tests", "grpc", "google"):
+    for package in ("pip", "setuptools", "wheel", "uv", "tests", "grpc", "google"):
         assert not (site / package).exists(), package
-    assert not list((rootfs / VENV.lstrip("/") / "bin").glob("pip*"))
+    for tool in ("pip*", "uv*"):
+        assert not list((rootfs / VENV.lstrip("/") / "bin").glob(tool)), tool
     for leftover in ("src", "dist", "opt/build", "root/.cache"):
         assert not (rootfs / leftover).exists(), leftover
     assert not list((rootfs / "var/cache/apt/archives").glob("*.deb"))
@@ -247,26 +340,31 @@ def start_from_image(
 
 
 def test_plugin_registers_allocates_and_stops(
-    config: Obj, rootfs: Path, fake_host: FakeNode, tmp_path: Path
+    arch: images.Arch, config: Obj, rootfs: Path, fake_host: FakeNode, tmp_path: Path
 ) -> None:
     plugin_dir = fake_host.host_root / PLUGIN_DIR.lstrip("/")
     kubelet = SimKubelet(plugin_dir)
     kubelet.start()
+    started = time.monotonic()
     daemon, container = start_from_image(config, rootfs, fake_host, tmp_path / "plugin.log")
     try:
         assert flag(container, "device-plugin-path", PLUGIN_DIR) == PLUGIN_DIR
-        daemon.wait_for_log("Registered device plugin with Kubelet", timeout=60)
+        daemon.wait_for_log("Registered device plugin with Kubelet", timeout=60 * patience(arch))
         kubelet.wait_for(
-            lambda: list(kubelet.devices(RESOURCE).values()) == ["Healthy"] * SHARES, timeout=30
+            lambda: list(kubelet.devices(RESOURCE).values()) == ["Healthy"] * SHARES,
+            timeout=30 * patience(arch),
         )
         (registration,) = kubelet.registrations
+        record_start(arch, registration.answered_at - started)
         assert registration.accepted
         assert registration.resource_name == RESOURCE
         own_socket = plugin_dir / registration.endpoint
         assert stat.S_ISSOCK(own_socket.stat().st_mode)
 
         device_id = sorted(kubelet.devices(RESOURCE))[0]
-        (response,) = kubelet.allocate(RESOURCE, [[device_id]]).container_responses
+        (response,) = kubelet.allocate(
+            RESOURCE, [[device_id]], timeout=5 * patience(arch)
+        ).container_responses
         # kubelet is given the host's paths, not the ones under the plugin's --host-root.
         assert [(d.container_path, d.host_path, d.permissions) for d in response.devices] == [
             ("/dev/sev-guest", "/dev/sev-guest", "rw")
@@ -275,23 +373,31 @@ def test_plugin_registers_allocates_and_stops(
             ("/var/run/pcc", "/var/run/pcc", False)
         ]
 
-        assert daemon.terminate(signal.SIGTERM, timeout=30) == 0
+        assert daemon.terminate(signal.SIGTERM, timeout=30 * patience(arch)) == 0
         assert not own_socket.exists()
     finally:
         daemon.close()
         kubelet.stop()
 
 
+def record_start(arch: images.Arch, seconds: float) -> None:
+    """One JSON line in PCC_IMAGE_REPORT: from the container's start to Register accepted."""
+    if REPORT:
+        line = {"arch": arch.name, "emulated": emulated(arch), "start_to_registered_s": seconds}
+        with open(REPORT, "a") as report:
+            report.write(json.dumps(line) + "\n")
+
+
 def test_missing_device_ends_in_the_documented_log(
-    config: Obj, rootfs: Path, fake_host: FakeNode, tmp_path: Path
+    arch: images.Arch, config: Obj, rootfs: Path, fake_host: FakeNode, tmp_path: Path
 ) -> None:
     fake_host.device.unlink()
     plugin_dir = fake_host.host_root / PLUGIN_DIR.lstrip("/")
     plugin_dir.mkdir(parents=True)
     daemon, _ = start_from_image(config, rootfs, fake_host, tmp_path / "plugin.log")
     try:
-        line = daemon.wait_for_log("detect device", timeout=60)
+        line = daemon.wait_for_log("detect device", timeout=60 * patience(arch))
         assert "detect device /host/dev/sev-guest failed: No such file or directory" in line
-        assert daemon.proc.wait(30) == 1
+        assert daemon.proc.wait(30 * patience(arch)) == 1
     finally:
         daemon.close()

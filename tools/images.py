@@ -1,0 +1,465 @@
+"""The image for four architectures: local Debian bases, podman builds, archives, a manifest list.
+
+``nox -s image`` drives this module; it needs root, podman and debootstrap, and for each foreign
+architecture a qemu-user binfmt_misc handler with the F flag (``.ci/run`` registers them). Every
+architecture is built from the one Containerfile on a debootstrapped Debian base of its own
+architecture. The build stage runs on this machine's base and installs wheels for the target
+(uv's ``--python-platform``), so under emulation only the image's last check runs at build time.
+
+What a build leaves behind (``nox -s e2e`` reads the native one):
+
+- ``build/images/pcc-device-plugin-linux-<arch>.tar``: a docker-archive tarball per architecture
+  (Go's spelling: amd64, arm64, ppc64le, s390x), named ``localhost/pcc-device-plugin:<version>``
+  inside, the name the manifests use;
+- in podman's store, ``localhost/pcc-device-plugin:<version>-<arch>`` per architecture and the
+  manifest list ``localhost/pcc-device-plugin:<version>`` of all that were built;
+- in CACHE, the debootstrap tarball of each base, keyed on what it is built from; in podman's
+  store, the base imported from it (``localhost/pcc-device-plugin-base:<key>``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHIVES = ROOT / "build" / "images"
+LOGS = ROOT / "build" / "logs"
+CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin")) / "bases"
+NAME = "localhost/pcc-device-plugin"
+BASE_NAME = "localhost/pcc-device-plugin-base"
+
+SUITE = "bookworm"
+PACKAGES = "python3,python3-venv"
+DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What this machine trusts and how it reaches the package index: only for the base of this
+# machine's architecture, the build stage's, the one base whose Python downloads anything. The
+# foreign bases stay plain Debian (and update-ca-certificates is not run under emulation).
+EXTRA_CAS = Path("/usr/local/share/ca-certificates")
+PIP_CONF = Path("/etc/pip.conf")
+# uv (in the Containerfile's build stage) trusts the base's CA store, as Debian's pip does.
+UV_TOML = "system-certs = true\n"
+RECIPE = 3  # bump when the recipe below changes in a way the key cannot see
+
+Log = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    name: str  # Go and OCI: amd64, arm64, ppc64le, s390x
+    debian: str  # dpkg's architecture
+    machine: str  # uname -m, qemu's name, and the binfmt_misc handler's (qemu-<machine>)
+    elf_machine: int  # e_machine of its ELF files
+    byteorder: Literal["little", "big"]  # EI_DATA of its ELF files
+
+    @property
+    def platform(self) -> str:
+        return f"linux/{self.name}"
+
+
+ARCHES = {
+    a.name: a
+    for a in (
+        Arch("amd64", "amd64", "x86_64", 62, "little"),
+        Arch("arm64", "arm64", "aarch64", 183, "little"),
+        Arch("ppc64le", "ppc64el", "ppc64le", 21, "little"),
+        Arch("s390x", "s390x", "s390x", 22, "big"),
+    )
+}
+# This machine's architecture (uname -m says arm64 on macOS), None if it is none of the four.
+NATIVE = next((a for a in ARCHES.values() if os.uname().machine in (a.machine, a.name)), None)
+
+
+def version() -> str:
+    """The project's version: pyproject's, or pcc_plugin.__version__ when it is dynamic."""
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        project = tomllib.load(f)["project"]
+    if "version" in project:
+        return str(project["version"])
+    found = re.search(
+        r'^__version__ = "([^"]+)"$', (ROOT / "pcc_plugin" / "__init__.py").read_text(), re.M
+    )
+    assert found, "pcc_plugin/__init__.py has no __version__ line"
+    return found[1]
+
+
+def arch_tag(arch: Arch) -> str:
+    """The image of one architecture in podman's store."""
+    return f"{NAME}:{version()}-{arch.name}"
+
+
+def manifest_list() -> str:
+    """The manifest list of every architecture built, in podman's store."""
+    return f"{NAME}:{version()}"
+
+
+def archive_path(arch: Arch) -> Path:
+    return ARCHIVES / f"pcc-device-plugin-linux-{arch.name}.tar"
+
+
+def selected(names: str | None) -> list[Arch]:
+    """Architectures from a comma-separated list (PCC_IMAGE_ARCHES); all four when empty."""
+    if not names:
+        return list(ARCHES.values())
+    unknown = sorted(set(names.split(",")) - set(ARCHES))
+    if unknown:
+        raise ValueError(f"unknown architecture {', '.join(unknown)}; known: {', '.join(ARCHES)}")
+    return [ARCHES[n] for n in ARCHES if n in names.split(",")]
+
+
+# Emulation.
+
+BINFMT = Path("/proc/sys/fs/binfmt_misc")
+
+
+def emulation_problem(arch: Arch) -> str | None:
+    """Why this machine cannot run `arch`'s programs, in one line, or None if it can.
+
+    A foreign architecture needs qemu-user's binfmt_misc handler, enabled and with the F flag
+    (the kernel opens the interpreter when it is registered, so it works in chroots and builds).
+    """
+    if arch == NATIVE:
+        return None
+    if NATIVE is None:
+        return f"cannot build on {os.uname().machine}: only on {', '.join(ARCHES)}"
+    handler = BINFMT / f"qemu-{arch.machine}"
+    if not (BINFMT / "status").exists():
+        return f"cannot run {arch.name} programs: binfmt_misc is not mounted at {BINFMT}"
+    if not handler.exists():
+        return f"cannot run {arch.name} programs: no binfmt_misc handler {handler.name}"
+    lines = handler.read_text().splitlines()
+    flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags:")), "")
+    if "enabled" not in lines:
+        return f"cannot run {arch.name} programs: {handler} is disabled"
+    if "F" not in flags:
+        return f"cannot run {arch.name} programs: {handler} lacks the F flag (has {flags!r})"
+    return None
+
+
+# ELF files, to check that an image holds its own architecture's code.
+
+
+def elf_arch(path: Path) -> Arch | None:
+    """The architecture of an ELF file by its header, None if it is not ELF (or none of ours)."""
+    with path.open("rb") as f:
+        header = f.read(20)
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        return None
+    byteorder: Literal["little", "big"]
+    if header[5] == 1:
+        byteorder = "little"
+    elif header[5] == 2:
+        byteorder = "big"
+    else:
+        return None
+    machine = int.from_bytes(header[18:20], byteorder)
+    return next(
+        (a for a in ARCHES.values() if (a.elf_machine, a.byteorder) == (machine, byteorder)),
+        None,
+    )
+
+
+# Bases.
+
+
+def _base_key(arch: Arch) -> str:
+    digest = hashlib.sha256(f"v{RECIPE} {SUITE} {arch.debian} minbase {PACKAGES}".encode())
+    if arch == NATIVE:
+        digest.update(f"build stage's base {UV_TOML!r}".encode())
+        for ca in _extra_cas():
+            digest.update(ca.name.encode() + b"\0" + ca.read_bytes())
+        if PIP_CONF.exists():
+            digest.update(b"pip.conf\0" + PIP_CONF.read_bytes())
+    return f"{SUITE}-{arch.name}-{digest.hexdigest()[:12]}"
+
+
+def _extra_cas() -> list[Path]:
+    return sorted(EXTRA_CAS.glob("**/*.crt"))
+
+
+def _exists(ref: str) -> bool:
+    return subprocess.run(["podman", "image", "exists", ref], check=False).returncode == 0
+
+
+def _image_id(ref: str) -> str:
+    return subprocess.run(
+        ["podman", "image", "inspect", "--format", "{{.Id}}", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def _unmount_below(path: Path) -> None:
+    """Unmount whatever a failed debootstrap left mounted inside `path` (its /proc, /sys)."""
+    with open("/proc/self/mounts") as mounts:
+        targets = [line.split()[1] for line in mounts]
+    for target in sorted(targets, key=len, reverse=True):
+        if Path(target).is_relative_to(path):
+            subprocess.run(["umount", "--lazy", target], check=False)
+
+
+def _run_logged(argv: Sequence[str], log_file: Path) -> None:
+    """Run `argv` with its output in `log_file`; on failure, raise with the log's last lines."""
+    with log_file.open("ab") as out:
+        out.write(f"$ {' '.join(argv)}\n".encode())
+        out.flush()
+        result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if result.returncode != 0:
+        tail = log_file.read_text(errors="replace").splitlines()[-15:]
+        raise RuntimeError(
+            f"{argv[0]} exited {result.returncode} (log: {log_file}):\n" + "\n".join(tail)
+        )
+
+
+def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
+    """Debian minbase with python3 and venv for `arch`, this machine's CAs, as a tarball."""
+    log_file = LOGS / f"debootstrap-{arch.name}.log"
+    log_file.unlink(missing_ok=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        rootfs = Path(tmp) / "rootfs"
+        try:
+            # A foreign architecture's second stage runs under qemu-user (binfmt_misc).
+            _run_logged(
+                [
+                    "debootstrap", f"--arch={arch.debian}", "--variant=minbase",
+                    f"--include={PACKAGES}", SUITE, str(rootfs),
+                ],
+                log_file,
+            )  # fmt: skip
+            if arch == NATIVE:
+                _reach_the_index_as_this_machine(rootfs, log_file)
+            for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+                for entry in (rootfs / cache).glob("*"):
+                    if entry.is_file():
+                        entry.unlink()
+            partial = Path(tmp) / "base.tar"
+            _run_logged(
+                [
+                    "tar", "--numeric-owner", "--exclude=./dev/*", "--exclude=./proc/*",
+                    "--exclude=./sys/*", "-C", str(rootfs), "-cf", str(partial), ".",
+                ],
+                log_file,
+            )  # fmt: skip
+            os.replace(partial, tarball)
+        finally:
+            _unmount_below(rootfs)
+    log(f"base {arch.name}: debootstrap took {time.monotonic() - started:.0f} s")
+
+
+def _reach_the_index_as_this_machine(rootfs: Path, log_file: Path) -> None:
+    """This machine's extra CAs, its pip.conf, and uv told to trust the base's CA store."""
+    cas = _extra_cas()
+    for ca in cas:
+        shutil.copy(ca, rootfs / "usr/local/share/ca-certificates" / ca.name)
+    if cas:
+        _run_logged(["chroot", str(rootfs), "update-ca-certificates"], log_file)
+    if PIP_CONF.exists():
+        shutil.copy(PIP_CONF, rootfs / "etc/pip.conf")
+    (rootfs / "etc/uv").mkdir(exist_ok=True)
+    (rootfs / "etc/uv/uv.toml").write_text(UV_TOML)
+
+
+def base_images(arches: Iterable[Arch], log: Log) -> dict[Arch, str]:
+    """A local Debian base per architecture, imported into podman; debootstrapped when missing.
+
+    The debootstraps that are needed run at once (each is partly download, partly emulated
+    work). The tarball in CACHE and the image in podman's store are both keyed on the recipe
+    (and for this machine's architecture on its extra CAs and pip.conf); those of another key
+    for the same architecture are removed.
+    """
+    arches = sorted(set(arches), key=list(ARCHES.values()).index)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    with _locked(CACHE / ".lock", log):
+        return _base_images(arches, log)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, log: Log) -> Iterator[None]:
+    """One builder of bases at a time on this machine; what a killed one left is removed."""
+    with path.open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another build of the bases ({path} is locked)")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        for leftover in path.parent.glob("tmp*"):
+            _unmount_below(leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+        yield
+
+
+def _base_images(arches: list[Arch], log: Log) -> dict[Arch, str]:
+    keys = {arch: _base_key(arch) for arch in arches}
+    refs = {arch: f"{BASE_NAME}:{keys[arch]}" for arch in arches}
+    tarballs = {arch: CACHE / f"{keys[arch]}.tar" for arch in arches}
+    to_bootstrap = [a for a in arches if not _exists(refs[a]) and not tarballs[a].exists()]
+    if to_bootstrap:
+        log(f"debootstrap {SUITE} for {', '.join(a.name for a in to_bootstrap)} at once")
+        with concurrent.futures.ThreadPoolExecutor(len(to_bootstrap)) as pool:
+            futures = [pool.submit(_debootstrap, a, tarballs[a], log) for a in to_bootstrap]
+            for future in futures:
+                future.result()
+    in_store = subprocess.run(
+        ["podman", "images", "--format", "{{.Repository}}:{{.Tag}}", BASE_NAME],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for arch in arches:
+        # Bases of another key for this architecture (the recipe or this machine's CAs changed).
+        for stale in CACHE.glob(f"{SUITE}-{arch.name}-*.tar"):
+            if stale != tarballs[arch]:
+                stale.unlink()
+        for name in in_store:
+            if name.startswith(f"{BASE_NAME}:{SUITE}-{arch.name}-") and name != refs[arch]:
+                subprocess.run(["podman", "rmi", name], capture_output=True, check=False)
+        if _exists(refs[arch]):
+            log(f"base {arch.name}: {refs[arch]} (cached)")
+            continue
+        subprocess.run(
+            [
+                "podman", "import", "--quiet", "--os", "linux", "--arch", arch.name,
+                "--change", f"ENV PATH={DEBIAN_PATH}", str(tarballs[arch]), refs[arch],
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        log(f"base {arch.name}: {refs[arch]} (imported from {tarballs[arch]})")
+    return refs
+
+
+# Images.
+
+
+def _podman_images(*filters: str) -> set[str]:
+    listing = subprocess.run(
+        ["podman", "images", "--all", "--quiet", "--no-trunc", *filters],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {image_id.removeprefix("sha256:") for image_id in listing.stdout.split()}
+
+
+@contextlib.contextmanager
+def removing_intermediates(arches: Iterable[Arch]) -> Iterator[None]:
+    """Remove the untagged images that the builds for `arches` leave: their build stages, and
+    the images of an earlier build whose tags (arch_tag) the new ones took.
+
+    Not forced: an image that another build on this machine is using stays.
+    """
+    before = _podman_images()
+    earlier = {_image_id(arch_tag(a)) for a in arches if _exists(arch_tag(a))}
+    try:
+        yield
+    finally:
+        dangling = _podman_images("--filter", "dangling=true")
+        leftovers = (dangling - before) | (dangling & earlier)
+        if leftovers:
+            subprocess.run(["podman", "rmi", *sorted(leftovers)], capture_output=True, check=False)
+
+
+def build(arch: Arch, bases: dict[Arch, str], run: Callable[..., object]) -> str:
+    """Build the Containerfile for `arch` on its base; return its tag (arch_tag).
+
+    The build stage runs on this machine's base (BUILD_BASE_IMAGE) and the runtime stage on
+    `arch`'s (BASE_IMAGE). Bases are passed by image ID: podman 4.3 applies the first stage's
+    platform to the second stage's lookup by name, and an ID is looked up as it is.
+    """
+    tag = arch_tag(arch)
+    assert NATIVE is not None, "emulation_problem() tells first"
+    run(
+        "podman", "build", "--isolation=chroot", "--pull=never", "--platform", arch.platform,
+        "--build-arg", f"BUILD_BASE_IMAGE={_image_id(bases[NATIVE])}",
+        "--build-arg", f"BASE_IMAGE={_image_id(bases[arch])}",
+        "--tag", tag, "--file", str(ROOT / "Containerfile"), str(ROOT),
+        external=True,
+    )  # fmt: skip
+    return tag
+
+
+def size(ref: str) -> int:
+    return int(
+        subprocess.run(
+            ["podman", "image", "inspect", "--format", "{{.Size}}", ref],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+
+
+def save_archive(arch: Arch) -> Path:
+    """arch_tag(arch) as a docker-archive tarball named like the manifest list, by rename.
+
+    The name inside is the manifests' image (``localhost/pcc-device-plugin:<version>``), as a
+    node of that architecture has it after pulling the manifest list. The manifest list holds
+    that name in podman's store: a previous one is removed here, so call publish_manifest_list
+    after the last of these.
+    """
+    target = archive_path(arch)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".tar.partial")
+    partial.unlink(missing_ok=True)
+    name = manifest_list()
+    remove_manifest_list()
+    subprocess.run(["podman", "tag", arch_tag(arch), name], check=True)
+    try:
+        subprocess.run(
+            ["podman", "save", "--quiet", "--format", "docker-archive", "--output", str(partial),
+             name],
+            check=True,
+        )  # fmt: skip
+    finally:
+        subprocess.run(["podman", "untag", arch_tag(arch), name], check=True)
+    os.replace(partial, target)
+    return target
+
+
+def remove_manifest_list() -> None:
+    """Drop the manifest list of a previous build (not its images), freeing its name.
+
+    By ID: podman 4.3 resolves a list's name to this machine's platform, and fails for a list
+    without it (PCC_IMAGE_ARCHES=s390x), in `image exists`, `manifest rm` and `untag` alike.
+    """
+    name = manifest_list()
+    listing = subprocess.run(
+        ["podman", "images", "--all", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for image_id in (line.split()[0] for line in listing if line.split()[1:] == [name]):
+        removed = subprocess.run(["podman", "manifest", "rm", image_id], capture_output=True)
+        if removed.returncode != 0:  # a plain image holds the name
+            subprocess.run(["podman", "untag", image_id, name], capture_output=True, check=False)
+
+
+def publish_manifest_list(arches: Iterable[Arch]) -> str:
+    """manifest_list() in podman's store, listing arch_tag of each of `arches`."""
+    name = manifest_list()
+    remove_manifest_list()
+    subprocess.run(["podman", "manifest", "create", name], check=True, stdout=subprocess.DEVNULL)
+    for arch in arches:
+        subprocess.run(
+            ["podman", "manifest", "add", name, f"containers-storage:{arch_tag(arch)}"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    return name
