@@ -868,10 +868,10 @@ def test_docs_nox_sessions_are_run_by_ci() -> None:
         session
         for line in (ROOT / ".ci" / "run").read_text().splitlines()
         if not line.lstrip().startswith("#")
-        for sessions in re.findall(r"nox -s ((?:[\w-]+ ?)+)", line)
+        for sessions in re.findall(r"(?:nox|tools/dev\.py) -s ((?:[\w-]+ ?)+)", line)
         for session in sessions.split()
     }
-    assert {"manifests", "image_bases", "image"} <= in_ci
+    assert {"demo", "slow", "manifests", "image_bases", "image", "e2e"} <= in_ci
     for block in shell_blocks():
         for command in commands(block):
             match = NOX.match(command)
