@@ -509,7 +509,8 @@ async def test_each_opt_in_is_a_warning_at_start(
     )
     with trio.fail_after(20):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=0), f"--config={config}")
-        await run_blocking(daemon.wait_for_log, "Serving /metrics", 10.0)
+        # Logged as each resource starts; the second resource's start comes after.
+        await run_blocking(daemon.wait_for_log, "Starting pcc-device-plugin: b.example.com/y", 10.0)
     warnings = [line for line in daemon.log_text().splitlines() if "allowSensitiveHostPath" in line]
     assert [line[0] for line in warnings] == ["W", "W"]
     assert [line.split("] ", 1)[1] for line in warnings] == [
