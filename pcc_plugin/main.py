@@ -7,13 +7,14 @@ signal N forces the exit.
 
 from __future__ import annotations
 
+import gc
 import logging
 import resource
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from pcc_plugin import flags, klog
+from pcc_plugin import _betterproto2, flags, klog
 from pcc_plugin.klog import V1
 from pcc_plugin.resource import health_problem
 
@@ -33,6 +34,8 @@ EPILOG = (
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
+    # Before anything imports betterproto2, which would load importlib.metadata.
+    _betterproto2.install()
     if argv and argv[0] == "doctor":
         from pcc_plugin.doctor import cli
 
@@ -55,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     from pcc_plugin import supervisor
     from pcc_plugin.errors import FatalError
 
+    # What the imports made lives as long as the process: the garbage collector need not
+    # walk it again at every full collection.
+    gc.freeze()
     try:
         trio.run(supervisor.run, config, specs)
     except* FatalError as group:
