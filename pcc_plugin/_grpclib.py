@@ -9,7 +9,11 @@ these pieces of grpclib 0.4 that are not its documented API:
 - `grpclib.protocol.Stream.recv_data(n)`, which raises AssertionError when the
   stream ends before `n` bytes came;
 - `grpclib.server.Stream(...)`'s constructor and `grpclib.events._DispatchServerEvents`;
-- `Configuration.__for_server__()`.
+- `Configuration.__for_server__()`;
+- to answer a unary call at once, in the callback that read it: the stream's
+  `buffer` (`_eof`, `_acked_size`, and `_unacked`, a queue of (data, size,
+  ack_size)), `connection.ack` and `flush`, `connection.write_ready`, and the
+  h2 connection under it (`Stream._h2_connection`).
 
 tests/test_library_contracts.py pins each of them, so that an upgrade of
 grpclib fails there and only there.
@@ -17,6 +21,7 @@ grpclib fails there and only there.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import socket
 from typing import Any
@@ -25,6 +30,7 @@ import grpclib.config
 import grpclib.const
 import grpclib.encoding.base
 import grpclib.events
+import grpclib.metadata
 import grpclib.protocol
 import grpclib.server
 import h2.config
@@ -34,7 +40,14 @@ from pcc_plugin.bridge import call_asyncio
 
 H2Stream = grpclib.protocol.Stream
 AnswerStream = grpclib.server.Stream[Any, Any]
-Handler = grpclib.protocol.AbstractHandler
+CONTENT_TYPE = "application/grpc+proto"
+
+
+class Handler(grpclib.protocol.AbstractHandler):
+    """grpclib's request handler, told also when all the bytes of one read are processed."""
+
+    @abc.abstractmethod
+    def received(self) -> None: ...
 
 
 class StreamEnded(Exception):
@@ -70,6 +83,10 @@ class _Protocol(grpclib.protocol.H2Protocol):
             {h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._max_streams}
         )
         self.connection.flush()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self.handler.received()  # type: ignore[attr-defined]
 
 
 async def open_connection(
@@ -132,3 +149,63 @@ def answer_stream(stream: H2Stream, path: str, server_streaming: bool) -> Answer
         status_details_codec=None,
         dispatch=_DISPATCH,
     )
+
+
+def can_send(stream: H2Stream) -> bool:
+    """Whether the connection takes more to send now (grpclib's own writers wait until it does)."""
+    return stream.connection.write_ready.is_set() and not stream.connection.is_closing()
+
+
+def whole_body(stream: H2Stream) -> bytes | None:
+    """The request's bytes, if the client has ended its stream and all of them are here.
+
+    Only then are they taken out of grpclib's buffer, and acknowledged as its reader would.
+    """
+    buffer = stream.buffer
+    if not buffer._eof or buffer._acked_size:
+        return None
+    queued = [buffer._unacked.get_nowait() for _ in range(buffer._unacked.qsize())]
+    assert stream.id is not None
+    stream.connection.ack(stream.id, sum(item.ack_size for item in queued))
+    return b"".join(item.data for item in queued)
+
+
+def _framed(answer: bytes) -> bytes:
+    return b"\0" + len(answer).to_bytes(4, "big") + answer
+
+
+def fits(stream: H2Stream, answer: bytes | None) -> bool:
+    """Whether the answer can go in one DATA frame that the client's windows allow now."""
+    if answer is None:
+        return True
+    assert stream.id is not None
+    h2_connection = stream._h2_connection
+    room = min(
+        h2_connection.local_flow_control_window(stream.id), h2_connection.max_outbound_frame_size
+    )
+    return len(answer) + 5 <= room
+
+
+def answer_now(
+    stream: H2Stream, status: grpclib.const.Status, message: str | None, answer: bytes | None
+) -> None:
+    """A unary call's whole answer, as grpclib's server stream would send it: headers, the
+    message and trailers, or trailers only for an error. Queued until `flush`."""
+    assert stream.id is not None
+    h2_connection = stream._h2_connection
+    headers = [(":status", "200"), ("content-type", CONTENT_TYPE)]
+    trailers = [("grpc-status", str(status.value))]
+    if message is not None:
+        trailers.append(("grpc-message", grpclib.metadata.encode_grpc_message(message)))
+    if answer is None:
+        h2_connection.send_headers(stream.id, headers + trailers, end_stream=True)
+    else:
+        h2_connection.send_headers(stream.id, headers)
+        h2_connection.send_data(stream.id, _framed(answer))
+        h2_connection.send_headers(stream.id, trailers, end_stream=True)
+
+
+def flush(stream: H2Stream) -> None:
+    """Write what is queued on the stream's connection."""
+    if not stream.connection.is_closing():
+        stream.connection.flush()

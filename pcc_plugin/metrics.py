@@ -29,7 +29,7 @@ def _escape_label(value: str) -> str:
 
 
 def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+    return repr(float(value))  # "1.0", as prometheus_client writes it
 
 
 def family(name: str, kind: str, help_text: str, samples: Iterable[Sample]) -> str:
