@@ -53,9 +53,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             sys.exit(1)
     raise_open_file_limit()
     # Imported only now: `--help` and usage errors stay fast.
-    import trio
+    from pcc_plugin._library_lookups import glibc_sonames
 
-    from pcc_plugin import supervisor
+    with glibc_sonames():
+        import trio
+
+        from pcc_plugin import supervisor
     from pcc_plugin.errors import FatalError
 
     # What the imports made lives as long as the process: the garbage collector need not
