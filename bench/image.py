@@ -87,7 +87,8 @@ def from_image(bench: Bench) -> None:
             report.add(
                 "start -> registered (one start)", f"{ms(registration.answered_at - started)} ms"
             )
-            report.add("entry point and environment", f"{config['Entrypoint']} {config.get('Env')}")
+            python_env = [e for e in config.get("Env", []) if e.startswith("PYTHON")]
+            report.add("entry point", " ".join([*python_env, *config["Entrypoint"]]))
             time.sleep(2)
             figures = {
                 "not_scraped": memory_rows(
