@@ -9,6 +9,8 @@ own parser.
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import resource
 from collections.abc import Iterable, Sequence
@@ -32,11 +34,17 @@ def _number(value: float) -> str:
     return repr(float(value))  # "1.0", as prometheus_client writes it
 
 
-def family(name: str, kind: str, help_text: str, samples: Iterable[Sample]) -> str:
-    """One metric family: HELP, TYPE and its samples (a counter's carry `_total`)."""
+@functools.cache
+def _head(name: str, kind: str, help_text: str) -> tuple[str, list[str]]:
     sample_name = f"{name}_total" if kind == "counter" else name
     escaped_help = help_text.replace("\\", r"\\").replace("\n", r"\n")
-    lines = [f"# HELP {sample_name} {escaped_help}", f"# TYPE {sample_name} {kind}"]
+    return sample_name, [f"# HELP {sample_name} {escaped_help}", f"# TYPE {sample_name} {kind}"]
+
+
+def family(name: str, kind: str, help_text: str, samples: Iterable[Sample]) -> str:
+    """One metric family: HELP, TYPE and its samples (a counter's carry `_total`)."""
+    sample_name, head = _head(name, kind, help_text)
+    lines = head.copy()
     for labels, value in samples:
         shown = ",".join(f'{key}="{_escape_label(text)}"' for key, text in labels)
         lines.append(f"{sample_name}{{{shown}}} {_number(value)}" if shown else
@@ -44,15 +52,26 @@ def family(name: str, kind: str, help_text: str, samples: Iterable[Sample]) -> s
     return "\n".join(lines) + "\n"
 
 
-def process_families() -> list[str]:
-    """The process_* figures Prometheus' client libraries export, from /proc/self."""
+def _own_stat() -> list[str]:
     with open("/proc/self/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    # After the command name, fields count from 3 (state): utime 14, stime 15, starttime 22,
-    # vsize 23, rss 24.
-    utime, stime, started, vsize, rss = (int(fields[i]) for i in (11, 12, 19, 20, 21))
+        # After the command name, fields count from 3 (state): utime 14, stime 15,
+        # starttime 22, vsize 23, rss 24.
+        return stat.read().rpartition(")")[2].split()
+
+
+@functools.cache
+def _start_time() -> float:
+    """When the process started, in seconds since the epoch; read once (/proc/stat is long)."""
     with open("/proc/stat") as system:
         boot = next(int(line.split()[1]) for line in system if line.startswith("btime "))
+    return boot + int(_own_stat()[19]) / _CLOCK_TICKS
+
+
+def process_families() -> list[str]:
+    """The process_* figures Prometheus' client libraries export, from /proc/self."""
+    utime, stime, vsize, rss = (
+        int(field) for field in operator.itemgetter(11, 12, 20, 21)(_own_stat())
+    )
     max_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return [
         family("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.",
@@ -61,7 +80,7 @@ def process_families() -> list[str]:
                [((), rss * _PAGE_SIZE)]),
         family("process_start_time_seconds", "gauge",
                "Start time of the process since unix epoch in seconds.",
-               [((), boot + started / _CLOCK_TICKS)]),
+               [((), _start_time())]),
         family("process_cpu_seconds", "counter",
                "Total user and system CPU time spent in seconds.",
                [((), (utime + stime) / _CLOCK_TICKS)]),
