@@ -10,6 +10,8 @@ these pieces of grpclib 0.4 that are not its documented API:
   stream ends before `n` bytes came;
 - `grpclib.server.Stream(...)`'s constructor and `grpclib.events._DispatchServerEvents`;
 - `Configuration.__for_server__()`;
+- asyncio's socket transport reads `max_size` bytes at a time (an attribute of
+  `_SelectorSocketTransport`, read at each read);
 - to answer a unary call at once, in the callback that read it: the stream's
   `buffer` (`_eof`, `_acked_size`, and `_unacked`, a queue of (data, size,
   ack_size)), `connection.ack` and `flush`, `connection.write_ready`, and the
@@ -109,7 +111,11 @@ async def open_connection(
         normalize_outbound_headers=False,
     )
     protocol = _Protocol(handler, config, h2_config, max_streams)
-    await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, sock)
+    transport, _ = await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, sock)
+    # asyncio reads up to 256 KiB at a time into a fresh buffer: above glibc's mmap
+    # threshold, so every read was an mmap, an mremap and a munmap. A peer cannot send
+    # more than `window` ahead of us anyway.
+    transport.max_size = window  # type: ignore[attr-defined]
     return protocol
 
 

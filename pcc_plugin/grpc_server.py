@@ -40,7 +40,6 @@ import logging
 import os
 import secrets
 import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
@@ -207,7 +206,10 @@ class Connection(_grpclib.Handler):
 
     grpclib's protocol calls `accept` for each request, `cancel` when the
     client resets a stream and `close` when the connection is lost. The
-    connection's trio task (`Server.serve_connection`) waits on `changed`.
+    connection's trio task (`Server.serve_connection`) waits on `changed`,
+    which the first request, the end of a request task and the close set; a
+    later request only records when it came (`last_active`): waking that task
+    for each would cost every call a trip through trio's scheduler.
     """
 
     _numbers = itertools.count(1)
@@ -216,7 +218,7 @@ class Connection(_grpclib.Handler):
         self.server = server
         self.sock = sock
         self.number = next(self._numbers)
-        self.accepted_at = time.monotonic()
+        self.accepted_at = self.last_active = trio.current_time()
         self.requests = 0
         self.closed = False
         self.protocol: Any = None
@@ -232,7 +234,7 @@ class Connection(_grpclib.Handler):
         return len(self._tasks)
 
     async def changed(self) -> None:
-        """Until the next request, stream end or close."""
+        """Until the first request, a request task's end, or the close."""
         await self._changed.wait()
 
     def _notify(self) -> None:
@@ -262,7 +264,9 @@ class Connection(_grpclib.Handler):
                 self.server.dispatch(self, stream, dict(headers), release_stream)
         if arrived:
             _grpclib.flush(arrived[0][0])  # the answers given at once, in one write
-            self._notify()
+            self.last_active = trio.current_time()
+            if self.requests == len(arrived):
+                self._notify()  # the first: from now on the idle timeout applies
 
     def start(self, stream: _grpclib.H2Stream, request: Coroutine[Any, Any, None]) -> None:
         """Run a request as an asyncio task of this connection."""
@@ -272,6 +276,7 @@ class Connection(_grpclib.Handler):
 
     def _finished(self, stream: _grpclib.H2Stream) -> None:
         self._tasks.pop(stream, None)
+        self.last_active = trio.current_time()
         self._notify()
 
     def cancel(self, stream: _grpclib.H2Stream) -> None:
@@ -425,11 +430,12 @@ class Server:
             if connection.open_streams:
                 await connection.changed()
                 continue
-            with trio.move_on_after(IDLE_TIMEOUT) as idle:
-                await connection.changed()
-            if idle.cancelled_caught:
+            idle_until = connection.last_active + IDLE_TIMEOUT
+            if trio.current_time() >= idle_until:
                 log.log(V1, "Closing %s: idle for %g s", connection, IDLE_TIMEOUT)
                 return
+            with trio.move_on_at(idle_until):
+                await connection.changed()
 
     # asyncio: one request
 
