@@ -10,8 +10,8 @@ these pieces of grpclib 0.4 that are not its documented API:
   stream ends before `n` bytes came;
 - `grpclib.server.Stream(...)`'s constructor and `grpclib.events._DispatchServerEvents`;
 - `Configuration.__for_server__()`;
-- asyncio's socket transport reads `max_size` bytes at a time (an attribute of
-  `_SelectorSocketTransport`, read at each read);
+- feeding `H2Protocol.data_received` ourselves, with asyncio's transport
+  paused for reading (it still writes and closes);
 - to answer a unary call at once, in the callback that read it: the stream's
   `buffer` (`_eof`, `_acked_size`, and `_unacked`, a queue of (data, size,
   ack_size)), `connection.ack` and `flush`, `connection.write_ready`, and the
@@ -79,6 +79,7 @@ class _Protocol(grpclib.protocol.H2Protocol):
         self._max_streams = max_streams
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
         super().connection_made(transport)
         # Sent with the server's first SETTINGS, before any request can arrive.
         self.connection._connection.update_settings(
@@ -112,11 +113,24 @@ async def open_connection(
     )
     protocol = _Protocol(handler, config, h2_config, max_streams)
     transport, _ = await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, sock)
-    # asyncio reads up to 256 KiB at a time into a fresh buffer: above glibc's mmap
-    # threshold, so every read was an mmap, an mremap and a munmap. A peer cannot send
-    # more than `window` ahead of us anyway.
-    transport.max_size = window  # type: ignore[attr-defined]
+    # The caller reads, in trio, and hands the bytes to `feed`: asyncio's own reader went
+    # through trio-asyncio's queue twice for every read. asyncio's transport writes.
+    transport.pause_reading()
     return protocol
+
+
+def feed(protocol: grpclib.protocol.H2Protocol, data: bytes) -> None:
+    """Bytes the peer sent, as asyncio's transport would hand them over."""
+    protocol.data_received(data)
+
+
+def ended(protocol: grpclib.protocol.H2Protocol, error: OSError | None) -> None:
+    """The peer closed its end (`error` None) or the connection failed: close ours."""
+    transport = protocol.transport  # type: ignore[attr-defined]
+    if error is not None:
+        transport.abort()
+    elif not transport.is_closing():
+        transport.close()
 
 
 async def accept(

@@ -395,12 +395,26 @@ class Server:
         try:
             try:
                 connection.sock.setblocking(False)
-                connection.protocol = await _grpclib.accept(
-                    connection.sock, connection, WINDOW, MAX_STREAMS_PER_CONNECTION
-                )
+                # asyncio's transport writes and closes the socket; this task reads a
+                # duplicate of it, which keeps the connection open until it is closed.
+                reader = connection.sock.dup()
+                try:
+                    connection.protocol = await _grpclib.accept(
+                        connection.sock, connection, WINDOW, MAX_STREAMS_PER_CONNECTION
+                    )
+                except BaseException:
+                    reader.close()
+                    raise
             finally:
                 task_status.started()
-            await self._watch(connection)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read, connection, reader)
+                    await self._watch(connection)
+                    nursery.cancel_scope.cancel()
+            finally:
+                trio.lowlevel.notify_closing(reader)
+                reader.close()
         except OSError as exc:
             log.log(V1, "%s failed: %s", connection, exc)
         except Exception as exc:
@@ -415,6 +429,22 @@ class Server:
             # grpclib's protocol and this connection refer to each other: without this,
             # a flood's connections would wait for a full garbage collection to be freed.
             connection.protocol = None
+
+    async def _read(self, connection: Connection, reader: socket.socket) -> None:
+        """Hand the connection's bytes to grpclib's protocol as they come, until it ends."""
+        while True:
+            await trio.lowlevel.wait_readable(reader)
+            try:
+                data = reader.recv(WINDOW)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                _grpclib.ended(connection.protocol, exc)
+                return
+            if not data:
+                _grpclib.ended(connection.protocol, None)
+                return
+            _grpclib.feed(connection.protocol, data)
 
     async def _watch(self, connection: Connection) -> None:
         """Until the connection closes, or must be closed for silence or idleness."""

@@ -139,6 +139,9 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
     with trio.fail_after(30):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
         endpoint = await serving(kubelet)
+        # Kubelet's stream opens inside Register; the daemon marks itself registered when
+        # Register returns, a moment later.
+        await log_line(daemon, "Registered device plugin with Kubelet")
         daemon.proc.send_signal(signal.SIGUSR1)
         await log_line(daemon, "Task tree:")
         # The tree's last line: it is written depth first, in name order.
