@@ -12,13 +12,15 @@ these pieces of grpclib 0.4 that are not its documented API:
 - `Configuration.__for_server__()`;
 - feeding `H2Protocol.data_received` ourselves, with asyncio's transport
   paused for reading (it still writes and closes);
-- to answer a unary call at once, in the callback that read it: the stream's
-  `buffer` (`_eof`, `_acked_size`, and `_unacked`, a queue of (data, size,
-  ack_size)), `connection.ack` and `flush`, `connection.write_ready`, and the
-  h2 connection under it (`Stream._h2_connection`).
+- to answer a unary call at once, in the call stack that read it: the
+  stream's `buffer` (`_eof`, `_acked_size`, and `_unacked`, a queue of (data,
+  size, ack_size)), `connection.ack` and `flush`, `connection.write_ready`,
+  and the h2 connection under it (`Stream._h2_connection`).
 
 tests/test_library_contracts.py pins each of them, so that an upgrade of
-grpclib fails there and only there.
+grpclib fails there and only there; the last two items are pinned by
+tests/test_grpc_server.py's unary calls that arrive whole, in pieces, and
+with answers larger than the client's window.
 """
 
 from __future__ import annotations
