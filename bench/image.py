@@ -38,17 +38,25 @@ def _podman(*args: str) -> str:
 
 @contextlib.contextmanager
 def _image_rootfs() -> Iterator[tuple[dict[str, Any], Path]]:
-    """The image's config and the root filesystem of a container created from it."""
+    """The image's config and the root filesystem of a container created from it.
+
+    The image is removed from podman's store again if loading it put it there.
+    """
+    before = set(_podman("images", "--all", "--quiet", "--no-trunc").split())
     loaded = _podman("load", "--quiet", "--input", str(ARCHIVE))
     image = loaded.rpartition(" ")[2]
     container = f"pcc-bench-{os.getpid()}"
-    _podman("create", "--name", container, image)
     try:
+        _podman("create", "--name", container, image)
         config = json.loads(_podman("image", "inspect", image))[0]["Config"]
         yield config, Path(_podman("mount", container))
     finally:
         subprocess.run(["podman", "umount", container], capture_output=True, check=False)
         subprocess.run(["podman", "rm", "--force", container], capture_output=True, check=False)
+        after = set(_podman("images", "--all", "--quiet", "--no-trunc").split())
+        if after - before:
+            subprocess.run(["podman", "rmi", "--force", *sorted(after - before)],
+                           capture_output=True, check=False)  # fmt: skip
 
 
 def _argv(config: dict[str, Any], rootfs: Path, args: list[str]) -> list[str]:
@@ -76,6 +84,16 @@ def from_image(bench: Bench) -> None:
     if os.geteuid() != 0 or shutil.which("podman") is None:
         report.add("not measured", "needs root and podman")
         return
+    try:
+        _measure(bench)
+    except subprocess.CalledProcessError as exc:
+        report.add(
+            "not measured", f"podman failed: {' '.join(exc.cmd[:3])}: {exc.stderr.strip()[:80]}"
+        )
+
+
+def _measure(bench: Bench) -> None:
+    report = bench.report
     with _image_rootfs() as (config, rootfs):
         args = bench.node.daemon_args(verbosity=0)
         before = len(accepted(bench.kubelet))
