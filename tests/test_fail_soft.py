@@ -55,7 +55,11 @@ async def test_a_filesystem_fault_is_one_line_retried_and_recovered(fault: str) 
     assert not result["traceback"], result["log"]
     assert isinstance(result["retries"], int)
     assert result["retries"] >= 6
-    assert result["fds_after_retries"] == result["fds_at_first_retry"]
+    # No descriptor kept per retry. The first count may catch the next attempt's (immediate)
+    # directory scan and socket still open; later retries wait first.
+    assert isinstance(result["fds_after_retries"], int)
+    assert isinstance(result["fds_at_first_retry"], int)
+    assert result["fds_after_retries"] <= result["fds_at_first_retry"]
     assert result["registered"]
 
 
