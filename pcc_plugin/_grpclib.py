@@ -9,14 +9,23 @@ these pieces of grpclib 0.4 that are not its documented API:
 - `grpclib.protocol.Stream.recv_data(n)`, which raises AssertionError when the
   stream ends before `n` bytes came;
 - `grpclib.server.Stream(...)`'s constructor and `grpclib.events._DispatchServerEvents`;
-- `Configuration.__for_server__()`.
+- `Configuration.__for_server__()`;
+- feeding `H2Protocol.data_received` ourselves, with asyncio's transport
+  paused for reading (it still writes and closes);
+- to answer a unary call at once, in the call stack that read it: the
+  stream's `buffer` (`_eof`, `_acked_size`, and `_unacked`, a queue of (data,
+  size, ack_size)), `connection.ack` and `flush`, `connection.write_ready`,
+  and the h2 connection under it (`Stream._h2_connection`).
 
 tests/test_library_contracts.py pins each of them, so that an upgrade of
-grpclib fails there and only there.
+grpclib fails there and only there; the last two items are pinned by
+tests/test_grpc_server.py's unary calls that arrive whole, in pieces, and
+with answers larger than the client's window.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import socket
 from typing import Any
@@ -25,6 +34,7 @@ import grpclib.config
 import grpclib.const
 import grpclib.encoding.base
 import grpclib.events
+import grpclib.metadata
 import grpclib.protocol
 import grpclib.server
 import h2.config
@@ -34,7 +44,14 @@ from pcc_plugin.bridge import call_asyncio
 
 H2Stream = grpclib.protocol.Stream
 AnswerStream = grpclib.server.Stream[Any, Any]
-Handler = grpclib.protocol.AbstractHandler
+CONTENT_TYPE = "application/grpc+proto"
+
+
+class Handler(grpclib.protocol.AbstractHandler):
+    """grpclib's request handler, told also when all the bytes of one read are processed."""
+
+    @abc.abstractmethod
+    def received(self) -> None: ...
 
 
 class StreamEnded(Exception):
@@ -64,12 +81,17 @@ class _Protocol(grpclib.protocol.H2Protocol):
         self._max_streams = max_streams
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
         super().connection_made(transport)
         # Sent with the server's first SETTINGS, before any request can arrive.
         self.connection._connection.update_settings(
             {h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._max_streams}
         )
         self.connection.flush()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self.handler.received()  # type: ignore[attr-defined]
 
 
 async def open_connection(
@@ -92,8 +114,29 @@ async def open_connection(
         normalize_outbound_headers=False,
     )
     protocol = _Protocol(handler, config, h2_config, max_streams)
-    await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, sock)
+    transport, _ = await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, sock)
+    # The caller reads, in trio, and hands the bytes to `feed`: asyncio's own reader went
+    # through trio-asyncio's queue twice for every read. asyncio's transport writes.
+    transport.pause_reading()
     return protocol
+
+
+def feed(protocol: grpclib.protocol.H2Protocol, data: bytes) -> bool:
+    """Bytes the peer sent, as asyncio's transport would hand them over; False once grpclib
+    has closed the connection (a protocol error, say), when nothing more may be fed."""
+    if protocol.connection.is_closing():
+        return False
+    protocol.data_received(data)
+    return True
+
+
+def ended(protocol: grpclib.protocol.H2Protocol, error: OSError | None) -> None:
+    """The peer closed its end (`error` None) or the connection failed: close ours."""
+    transport = protocol.transport  # type: ignore[attr-defined]
+    if error is not None:
+        transport.abort()
+    elif not transport.is_closing():
+        transport.close()
 
 
 async def accept(
@@ -132,3 +175,63 @@ def answer_stream(stream: H2Stream, path: str, server_streaming: bool) -> Answer
         status_details_codec=None,
         dispatch=_DISPATCH,
     )
+
+
+def can_send(stream: H2Stream) -> bool:
+    """Whether the connection takes more to send now (grpclib's own writers wait until it does)."""
+    return stream.connection.write_ready.is_set() and not stream.connection.is_closing()
+
+
+def whole_body(stream: H2Stream) -> bytes | None:
+    """The request's bytes, if the client has ended its stream and all of them are here.
+
+    Only then are they taken out of grpclib's buffer, and acknowledged as its reader would.
+    """
+    buffer = stream.buffer
+    if not buffer._eof or buffer._acked_size:
+        return None
+    queued = [buffer._unacked.get_nowait() for _ in range(buffer._unacked.qsize())]
+    assert stream.id is not None
+    stream.connection.ack(stream.id, sum(item.ack_size for item in queued))
+    return b"".join(item.data for item in queued)
+
+
+def _framed(answer: bytes) -> bytes:
+    return b"\0" + len(answer).to_bytes(4, "big") + answer
+
+
+def fits(stream: H2Stream, answer: bytes | None) -> bool:
+    """Whether the answer can go in one DATA frame that the client's windows allow now."""
+    if answer is None:
+        return True
+    assert stream.id is not None
+    h2_connection = stream._h2_connection
+    room = min(
+        h2_connection.local_flow_control_window(stream.id), h2_connection.max_outbound_frame_size
+    )
+    return len(answer) + 5 <= room
+
+
+def answer_now(
+    stream: H2Stream, status: grpclib.const.Status, message: str | None, answer: bytes | None
+) -> None:
+    """A unary call's whole answer, as grpclib's server stream would send it: headers, the
+    message and trailers, or trailers only for an error. Queued until `flush`."""
+    assert stream.id is not None
+    h2_connection = stream._h2_connection
+    headers = [(":status", "200"), ("content-type", CONTENT_TYPE)]
+    trailers = [("grpc-status", str(status.value))]
+    if message is not None:
+        trailers.append(("grpc-message", grpclib.metadata.encode_grpc_message(message)))
+    if answer is None:
+        h2_connection.send_headers(stream.id, headers + trailers, end_stream=True)
+    else:
+        h2_connection.send_headers(stream.id, headers)
+        h2_connection.send_data(stream.id, _framed(answer))
+        h2_connection.send_headers(stream.id, trailers, end_stream=True)
+
+
+def flush(stream: H2Stream) -> None:
+    """Write what is queued on the stream's connection."""
+    if not stream.connection.is_closing():
+        stream.connection.flush()

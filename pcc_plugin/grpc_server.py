@@ -23,6 +23,11 @@ Limits (README, "Limits"), each against one way a neighbour can hurt us:
   answered within `UNARY_TIMEOUT` (or the client's shorter deadline).
 - Nothing a client sends is answered UNKNOWN; a handler's unexpected error is
   logged with its traceback, counted, and answered INTERNAL.
+
+A unary call whose whole request came in the bytes just read (kubelet's always
+do) is answered at once, in the same callback, with one write: no task, no
+timer, nothing to wait for, so none of the limits above has anything to bound.
+Any other call runs as an asyncio task of its connection.
 """
 
 from __future__ import annotations
@@ -35,8 +40,7 @@ import logging
 import os
 import secrets
 import socket
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,19 +96,7 @@ class Call:
             prefix = await _grpclib.receive_exactly(self._stream, 5)
             if not prefix:
                 return b""
-            if prefix[0] not in (0, 1):
-                raise GRPCError(Status.INVALID_ARGUMENT, "malformed message prefix")
-            if prefix[0] == 1:
-                raise GRPCError(
-                    Status.UNIMPLEMENTED,
-                    "compressed messages are not accepted: this server offers no compression",
-                )
-            size = int.from_bytes(prefix[1:], "big")
-            if size > MAX_MESSAGE_BYTES:
-                raise GRPCError(
-                    Status.RESOURCE_EXHAUSTED,
-                    f"a message of {size} bytes is larger than the {MAX_MESSAGE_BYTES} accepted",
-                )
+            size = _message_size(prefix)
             with self.server.budget.reserve(size):
                 return await _grpclib.receive_exactly(self._stream, size)
 
@@ -120,20 +112,55 @@ class Call:
             self._answer = _grpclib.answer_stream(
                 self._stream, self.path, self.server.methods[self.path].streaming
             )
-        if status is Status.OK or message is None:
-            await self._answer.send_trailing_metadata(status=status, status_message=message)
-        else:
-            # grpc-message travels in a trailer that clients cap at 8 KiB.
-            await self._answer.send_trailing_metadata(status=status, status_message=message[:1024])
+        await self._answer.send_trailing_metadata(
+            status=status, status_message=_trailer_message(message)
+        )
 
 
-Method = Callable[[Call], Awaitable[None]]
+def _message_size(prefix: bytes) -> int:
+    """The size a gRPC message prefix announces, if within the limits; else GRPCError."""
+    if prefix[0] not in (0, 1):
+        raise GRPCError(Status.INVALID_ARGUMENT, "malformed message prefix")
+    if prefix[0] == 1:
+        raise GRPCError(
+            Status.UNIMPLEMENTED,
+            "compressed messages are not accepted: this server offers no compression",
+        )
+    size = int.from_bytes(prefix[1:5], "big")
+    if size > MAX_MESSAGE_BYTES:
+        raise GRPCError(
+            Status.RESOURCE_EXHAUSTED,
+            f"a message of {size} bytes is larger than the {MAX_MESSAGE_BYTES} accepted",
+        )
+    return size
+
+
+def _whole_message(body: bytes) -> bytes:
+    """The request message of a request body that is all here (as `Call.receive` reads it)."""
+    if not body:
+        return b""
+    if len(body) < 5:
+        raise _grpclib.StreamEnded("the stream ended before the 5 bytes announced")
+    size = _message_size(body)
+    if len(body) < 5 + size:
+        raise _grpclib.StreamEnded(f"the stream ended before the {size} bytes announced")
+    return body[5 : 5 + size]
+
+
+# A unary method answers the request message with the response message, or raises GRPCError.
+Answer = Callable[[bytes, Call], bytes]
+# A server-streaming method reads its request and sends its answers through the Call.
+Stream = Callable[[Call], Awaitable[None]]
 
 
 @attrs.frozen
 class MethodSpec:
-    handler: Method
-    streaming: bool = False
+    answer: Answer | None = None
+    stream: Stream | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.stream is not None
 
 
 @attrs.define
@@ -179,7 +206,10 @@ class Connection(_grpclib.Handler):
 
     grpclib's protocol calls `accept` for each request, `cancel` when the
     client resets a stream and `close` when the connection is lost. The
-    connection's trio task (`Server.serve_connection`) waits on `changed`.
+    connection's trio task (`Server.serve_connection`) waits on `changed`,
+    which the first request, the end of a request task and the close set; a
+    later request only records when it came (`last_active`): waking that task
+    for each would cost every call a trip through trio's scheduler.
     """
 
     _numbers = itertools.count(1)
@@ -188,10 +218,11 @@ class Connection(_grpclib.Handler):
         self.server = server
         self.sock = sock
         self.number = next(self._numbers)
-        self.accepted_at = time.monotonic()
+        self.accepted_at = self.last_active = trio.current_time()
         self.requests = 0
         self.closed = False
         self.protocol: Any = None
+        self._arrived: list[tuple[_grpclib.H2Stream, list[tuple[str, str]], Callable[[], Any]]] = []
         self._tasks: dict[_grpclib.H2Stream, asyncio.Task[None]] = {}
         self._changed = trio.Event()
 
@@ -203,7 +234,7 @@ class Connection(_grpclib.Handler):
         return len(self._tasks)
 
     async def changed(self) -> None:
-        """Until the next request, stream end or close."""
+        """Until the first request, a request task's end, or the close."""
         await self._changed.wait()
 
     def _notify(self) -> None:
@@ -218,16 +249,34 @@ class Connection(_grpclib.Handler):
         headers: list[tuple[str, str]],
         release_stream: Callable[[], Any],
     ) -> None:
+        # Dispatched in `received`, once the rest of the bytes read with it (the request's
+        # DATA, as a rule) have been processed too.
         self.requests += 1
-        task = asyncio.get_running_loop().create_task(
-            self.server.handle(self, stream, headers, release_stream)
-        )
+        self._arrived.append((stream, headers, release_stream))
+
+    def received(self) -> None:
+        """The bytes just read have been processed: dispatch the requests they began."""
+        arrived, self._arrived = self._arrived, []
+        for stream, headers, release_stream in arrived:
+            if self.closed or not stream.closable:
+                release_stream()  # reset or gone with its connection: nothing to answer
+            else:
+                self.server.dispatch(self, stream, dict(headers), release_stream)
+        if arrived:
+            _grpclib.flush(arrived[0][0])  # the answers given at once, in one write
+            self.last_active = trio.current_time()
+            if self.requests == len(arrived):
+                self._notify()  # the first: from now on the idle timeout applies
+
+    def start(self, stream: _grpclib.H2Stream, request: Coroutine[Any, Any, None]) -> None:
+        """Run a request as an asyncio task of this connection."""
+        task = asyncio.get_running_loop().create_task(request)
         self._tasks[stream] = task
         task.add_done_callback(lambda _: self._finished(stream))
-        self._notify()
 
     def _finished(self, stream: _grpclib.H2Stream) -> None:
         self._tasks.pop(stream, None)
+        self.last_active = trio.current_time()
         self._notify()
 
     def cancel(self, stream: _grpclib.H2Stream) -> None:
@@ -237,6 +286,9 @@ class Connection(_grpclib.Handler):
 
     def close(self) -> None:
         self.closed = True
+        for _, _, release_stream in self._arrived:
+            release_stream()
+        self._arrived.clear()
         for task in self._tasks.values():
             task.cancel()
         self._notify()
@@ -343,12 +395,26 @@ class Server:
         try:
             try:
                 connection.sock.setblocking(False)
-                connection.protocol = await _grpclib.accept(
-                    connection.sock, connection, WINDOW, MAX_STREAMS_PER_CONNECTION
-                )
+                # asyncio's transport writes and closes the socket; this task reads a
+                # duplicate of it, which keeps the connection open until it is closed.
+                reader = connection.sock.dup()
+                try:
+                    connection.protocol = await _grpclib.accept(
+                        connection.sock, connection, WINDOW, MAX_STREAMS_PER_CONNECTION
+                    )
+                except BaseException:
+                    reader.close()
+                    raise
             finally:
                 task_status.started()
-            await self._watch(connection)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read, connection, reader)
+                    await self._watch(connection)
+                    nursery.cancel_scope.cancel()
+            finally:
+                trio.lowlevel.notify_closing(reader)
+                reader.close()
         except OSError as exc:
             log.log(V1, "%s failed: %s", connection, exc)
         except Exception as exc:
@@ -364,6 +430,23 @@ class Server:
             # a flood's connections would wait for a full garbage collection to be freed.
             connection.protocol = None
 
+    async def _read(self, connection: Connection, reader: socket.socket) -> None:
+        """Hand the connection's bytes to grpclib's protocol as they come, until it ends."""
+        while True:
+            await trio.lowlevel.wait_readable(reader)
+            try:
+                data = reader.recv(WINDOW)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                _grpclib.ended(connection.protocol, exc)
+                return
+            if not data:
+                _grpclib.ended(connection.protocol, None)
+                return
+            if not _grpclib.feed(connection.protocol, data):
+                return
+
     async def _watch(self, connection: Connection) -> None:
         """Until the connection closes, or must be closed for silence or idleness."""
         with trio.move_on_after(FIRST_REQUEST_TIMEOUT):
@@ -378,22 +461,94 @@ class Server:
             if connection.open_streams:
                 await connection.changed()
                 continue
-            with trio.move_on_after(IDLE_TIMEOUT) as idle:
-                await connection.changed()
-            if idle.cancelled_caught:
+            idle_until = connection.last_active + IDLE_TIMEOUT
+            if trio.current_time() >= idle_until:
                 log.log(V1, "Closing %s: idle for %g s", connection, IDLE_TIMEOUT)
                 return
+            with trio.move_on_at(idle_until):
+                await connection.changed()
 
     # asyncio: one request
+
+    def dispatch(
+        self,
+        connection: Connection,
+        stream: _grpclib.H2Stream,
+        fields: dict[str, str],
+        release_stream: Callable[[], Any],
+    ) -> None:
+        """Answer a unary call now if its whole request is here, else start it as a task."""
+        path = fields.get(":path", "")
+        method = self.methods.get(path)
+        body = None
+        if method is not None and method.answer is not None and _grpclib.can_send(stream):
+            body = _grpclib.whole_body(stream)
+        if body is None:
+            connection.start(stream, self.handle(connection, stream, fields, release_stream))
+            return
+        call = Call(self, connection, stream, path)
+        try:
+            status, message, answer = self._answer_whole(call, fields, body)
+            if _grpclib.fits(stream, answer):
+                _grpclib.answer_now(stream, status, _trailer_message(message), answer)
+            else:
+                # Larger than what the client lets us send now: grpclib waits for its window.
+                later = self._answer_later(call, status, message, answer, release_stream)
+                connection.start(stream, later)
+                return
+        except Exception as exc:
+            self.on_error(path, exc)
+        release_stream()
+
+    async def _answer_later(
+        self,
+        call: Call,
+        status: Status,
+        message: str | None,
+        answer: bytes | None,
+        release_stream: Callable[[], Any],
+    ) -> None:
+        try:
+            async with _deadline(UNARY_TIMEOUT, "the answer could not be sent"):
+                if answer is not None:
+                    await call.send(answer)
+                await call.finish(status, message)
+        except (OSError, GRPCError, grpclib.exceptions.StreamTerminatedError):
+            pass  # the client went away, or would not read
+        finally:
+            release_stream()
+
+    def _answer_whole(
+        self, call: Call, fields: Mapping[str, str], body: bytes
+    ) -> tuple[Status, str | None, bytes | None]:
+        problem = _header_problem(fields, self.methods)
+        if problem is not None:
+            return *problem, None
+        try:
+            data = _whole_message(body)
+        except (GRPCError, _grpclib.StreamEnded) as exc:
+            return *_failure(exc), None
+        return self._answer(call, data)
+
+    def _answer(self, call: Call, data: bytes) -> tuple[Status, str | None, bytes | None]:
+        """Status, message and answer of a unary method for its request message."""
+        answer = self.methods[call.path].answer
+        assert answer is not None
+        try:
+            return Status.OK, None, answer(data, call)
+        except GRPCError as exc:
+            return exc.status, exc.message, None
+        except Exception as exc:
+            self.on_error(call.path, exc)
+            return Status.INTERNAL, f"internal error: {type(exc).__name__}", None
 
     async def handle(
         self,
         connection: Connection,
         stream: _grpclib.H2Stream,
-        headers: list[tuple[str, str]],
+        fields: dict[str, str],
         release_stream: Callable[[], Any],
     ) -> None:
-        fields = dict(headers)
         path = fields.get(":path", "")
         call = Call(self, connection, stream, path)
         try:
@@ -408,11 +563,14 @@ class Server:
             status, message = Status.OK, None
             try:
                 async with _deadline(timeout, "the call was not answered"):
-                    await method.handler(call)
-            except GRPCError as exc:
-                status, message = exc.status, exc.message
-            except _grpclib.StreamEnded as exc:
-                status, message = Status.INVALID_ARGUMENT, str(exc)
+                    if method.stream is not None:
+                        await method.stream(call)
+                    else:
+                        status, message, answer = self._answer(call, await call.receive())
+                        if answer is not None:
+                            await call.send(answer)
+            except (GRPCError, _grpclib.StreamEnded) as exc:
+                status, message = _failure(exc)
             except Exception as exc:
                 self.on_error(path, exc)
                 status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}"
@@ -426,6 +584,17 @@ class Server:
             self.on_error(path, exc)
         finally:
             release_stream()
+
+
+def _failure(exc: GRPCError | _grpclib.StreamEnded) -> tuple[Status, str | None]:
+    if isinstance(exc, GRPCError):
+        return exc.status, exc.message
+    return Status.INVALID_ARGUMENT, str(exc)
+
+
+def _trailer_message(message: str | None) -> str | None:
+    # grpc-message travels in a trailer that clients cap at 8 KiB.
+    return None if message is None else message[:1024]
 
 
 def _header_problem(

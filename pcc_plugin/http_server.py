@@ -9,18 +9,19 @@ reach it: no client may end the daemon, hold it, or crowd out gRPC.
   warning per burst.
 - A connection's end, however abrupt (a reset, a half request), ends only that
   connection; any other error in it is logged with its traceback and contained.
-- Rendering /metrics takes about 0.2 ms, so a flood of scrapes costs little
+- Rendering /metrics takes about 0.1 ms, so a flood of scrapes costs little
   more than its HTTP (see BENCHMARKS.md for Allocate under a /metrics flood).
 
-Imported only when `--metrics-bind-address` is set.
+Imported only when `--metrics-bind-address` is set; h11 only at the first
+request, so that nothing registration does not need is imported before it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import h11
 import trio
 
 from pcc_plugin import metrics
@@ -28,6 +29,9 @@ from pcc_plugin.configuration import Configuration
 from pcc_plugin.grpc_server import ACCEPT_RETRY, RESOURCE_ERRORS
 from pcc_plugin.klog import V1, BurstLog
 from pcc_plugin.plugin import DevicePlugin
+
+if TYPE_CHECKING:
+    import h11
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,8 @@ class HttpServer:
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """One connection. Never raises: its error must not end the server."""
+        import h11  # at the first request (see above); then a lookup in sys.modules
+
         try:
             async with stream:
                 if self._open >= MAX_CONNECTIONS:
@@ -109,6 +115,8 @@ class HttpServer:
             log.exception("HTTP connection failed unexpectedly; closed it")
 
     async def _exchange(self, stream: trio.SocketStream) -> None:
+        import h11
+
         connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
         received = 0
         while True:
@@ -154,6 +162,8 @@ class HttpServer:
         *,
         head_only: bool = False,
     ) -> None:
+        import h11
+
         headers = [
             ("Content-Type", content_type),
             ("Content-Length", str(len(body))),
@@ -177,10 +187,13 @@ async def serve(
 
     A bind failure is one warning, and the plugin goes on without metrics or probes.
     """
-    host, _, port = bind_address.rpartition(":")
-    registry = metrics.registry(plugins, configuration)
+    text, _, port = bind_address.rpartition(":")
+    text = text.strip("[]")
+    # As bytes: given a str, the socket module loads the IDNA codec and its Unicode
+    # tables (1 MiB) to encode even "127.0.0.1".
+    host = (text.encode() if text.isascii() else text) or None
     try:
-        listeners = await trio.open_tcp_listeners(int(port), host=host.strip("[]") or None)
+        listeners = await trio.open_tcp_listeners(int(port), host=host)
     except OSError as exc:
         log.warning(
             "Metrics and probes are off: cannot listen on %s: %s", bind_address, exc.strerror
@@ -188,7 +201,7 @@ async def serve(
         task_status.started([])
         return
     bound = [listener.socket.getsockname()[:2] for listener in listeners]
-    server = HttpServer(plugins, lambda: metrics.render(registry))
+    server = HttpServer(plugins, lambda: metrics.render(plugins, configuration))
     async with trio.open_nursery() as nursery:
         for listener in listeners:
             nursery.start_soon(server.accept, listener, nursery)

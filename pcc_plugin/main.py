@@ -10,6 +10,7 @@ take SIGTERM and SIGINT over before anything else is imported.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import resource
@@ -42,10 +43,12 @@ def _stop_while_starting(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(signum, _stop_while_starting)
-    from pcc_plugin import flags, klog
+    from pcc_plugin import _betterproto2, flags, klog
     from pcc_plugin.resource import health_problem
 
     argv = sys.argv[1:] if argv is None else argv
+    # Before anything imports betterproto2, which would load importlib.metadata.
+    _betterproto2.install()
     if argv and argv[0] == "doctor":
         from pcc_plugin.doctor import cli
 
@@ -63,11 +66,17 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             sys.exit(1)
     raise_open_file_limit()
     # Imported only now: `--help` and usage errors stay fast.
-    import trio
+    from pcc_plugin._library_lookups import glibc_sonames
 
-    from pcc_plugin import supervisor
+    with glibc_sonames():
+        import trio
+
+        from pcc_plugin import supervisor
     from pcc_plugin.errors import FatalError
 
+    # What the imports made lives as long as the process: the garbage collector need not
+    # walk it again at every full collection.
+    gc.freeze()
     try:
         trio.run(supervisor.run, config, specs)
     except* FatalError as group:

@@ -1,105 +1,140 @@
-"""What /metrics says: the daemon's plain counters, read at scrape time, in Prometheus' format.
+"""/metrics: the daemon's plain counters, read at scrape time, in Prometheus' text format 0.0.4.
 
-Imported only when `--metrics-bind-address` is set: prometheus_client and the
-collectors cost memory that a plugin run without metrics should not pay.
+Written here rather than with prometheus_client: the daemon has a dozen
+families and no histograms, and the library (with the http.server, email and
+wsgiref modules it imports) cost 2.5 MiB of every node's memory and 20 ms of
+every start. tests/test_metrics.py parses the output with prometheus_client's
+own parser.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-from prometheus_client.registry import Collector
+import functools
+import operator
+import os
+import resource
+from collections.abc import Iterable, Sequence
 
 from pcc_plugin import __version__
 from pcc_plugin.configuration import Configuration
 from pcc_plugin.plugin import DevicePlugin
 
+Labels = Sequence[tuple[str, str]]
+Sample = tuple[Labels, float]
 
-class PluginCollector(Collector):
-    """Reads the daemon's plain counters at scrape time."""
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, plugins: Sequence[DevicePlugin], configuration: Configuration) -> None:
-        self._plugins = plugins
-        self._configuration = configuration
-        self._version = __version__
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
-        info = InfoMetricFamily("pcc_device_plugin_build", "Build information.")
-        info.add_metric([], {"version": self._version})
-        yield info
-        configuration = self._configuration
-        config_info = InfoMetricFamily(
-            "pcc_device_plugin_config",
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _number(value: float) -> str:
+    return repr(float(value))  # "1.0", as prometheus_client writes it
+
+
+@functools.cache
+def _head(name: str, kind: str, help_text: str) -> tuple[str, list[str]]:
+    sample_name = f"{name}_total" if kind == "counter" else name
+    escaped_help = help_text.replace("\\", r"\\").replace("\n", r"\n")
+    return sample_name, [f"# HELP {sample_name} {escaped_help}", f"# TYPE {sample_name} {kind}"]
+
+
+def family(name: str, kind: str, help_text: str, samples: Iterable[Sample]) -> str:
+    """One metric family: HELP, TYPE and its samples (a counter's carry `_total`)."""
+    sample_name, head = _head(name, kind, help_text)
+    lines = head.copy()
+    for labels, value in samples:
+        shown = ",".join(f'{key}="{_escape_label(text)}"' for key, text in labels)
+        lines.append(f"{sample_name}{{{shown}}} {_number(value)}" if shown else
+                     f"{sample_name} {_number(value)}")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _own_stat() -> list[str]:
+    with open("/proc/self/stat") as stat:
+        # After the command name, fields count from 3 (state): utime 14, stime 15,
+        # starttime 22, vsize 23, rss 24.
+        return stat.read().rpartition(")")[2].split()
+
+
+@functools.cache
+def _start_time() -> float:
+    """When the process started, in seconds since the epoch; read once (/proc/stat is long)."""
+    with open("/proc/stat") as system:
+        boot = next(int(line.split()[1]) for line in system if line.startswith("btime "))
+    return boot + int(_own_stat()[19]) / _CLOCK_TICKS
+
+
+def process_families() -> list[str]:
+    """The process_* figures Prometheus' client libraries export, from /proc/self."""
+    utime, stime, vsize, rss = (
+        int(field) for field in operator.itemgetter(11, 12, 20, 21)(_own_stat())
+    )
+    max_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return [
+        family("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.",
+               [((), vsize)]),
+        family("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.",
+               [((), rss * _PAGE_SIZE)]),
+        family("process_start_time_seconds", "gauge",
+               "Start time of the process since unix epoch in seconds.",
+               [((), _start_time())]),
+        family("process_cpu_seconds", "counter",
+               "Total user and system CPU time spent in seconds.",
+               [((), (utime + stime) / _CLOCK_TICKS)]),
+        family("process_open_fds", "gauge", "Number of open file descriptors.",
+               [((), len(os.listdir("/proc/self/fd")))]),
+        family("process_max_fds", "gauge", "Maximum number of open file descriptors.",
+               [((), max_fds)]),
+    ]  # fmt: skip
+
+
+def render(plugins: Sequence[DevicePlugin], configuration: Configuration) -> bytes:
+    """Every family, read now from the plugins' counters and the configuration."""
+    resources = [(plugin.spec.name, plugin.stats) for plugin in plugins]
+    families = [
+        *process_families(),
+        family("pcc_device_plugin_build_info", "gauge", "Build information.",
+               [((("version", __version__),), 1)]),
+        family(
+            "pcc_device_plugin_config_info", "gauge",
             "The running configuration: its file (or 'flags') and the hash of its bytes.",
-        )
-        config_info.add_metric(
-            [], {"source": str(configuration.path or "flags"), "hash": configuration.digest}
-        )
-        yield config_info
-        yield GaugeMetricFamily(
-            "pcc_device_plugin_config_generation",
-            "Configurations applied: 1 at start, one more per successful reload.",
-            value=configuration.generation,
-        )
-        yield GaugeMetricFamily(
-            "pcc_device_plugin_config_last_reload_successful",
-            "0 when the last reload was refused (the file was invalid), else 1.",
-            value=0 if configuration.last_reload_failed else 1,
-        )
-        registrations = CounterMetricFamily(
-            "pcc_device_plugin_registrations",
-            "Successful registrations with kubelet, by what caused them.",
-            labels=["resource", "cause"],
-        )
-        restarts = CounterMetricFamily(
-            "pcc_device_plugin_kubelet_restarts", "Kubelet restarts seen.", labels=["resource"]
-        )
-        allocations = CounterMetricFamily(
-            "pcc_device_plugin_allocations", "Allocate calls, by result.",
-            labels=["resource", "result"],
-        )  # fmt: skip
-        devices = GaugeMetricFamily(
-            "pcc_device_plugin_devices", "Advertised devices, by health.",
-            labels=["resource", "health"],
-        )  # fmt: skip
-        streams = GaugeMetricFamily(
-            "pcc_device_plugin_list_and_watch_streams", "Open ListAndWatch streams.",
-            labels=["resource"],
-        )  # fmt: skip
-        handler_errors = CounterMetricFamily(
-            "pcc_device_plugin_handler_errors",
-            "Unexpected errors in gRPC handlers and connections (bugs), by where.",
-            labels=["resource", "where"],
-        )
-        ready = GaugeMetricFamily(
-            "pcc_device_plugin_ready",
-            "1 when registered with the current kubelet and its ListAndWatch stream is open.",
-            labels=["resource"],
-        )
-        for plugin in self._plugins:
-            name, stats = plugin.spec.name, plugin.stats
-            for cause, count in sorted(stats.registrations.items()):
-                registrations.add_metric([name, cause], count)
-            restarts.add_metric([name], stats.kubelet_restarts)
-            for result in ("ok", "invalid", "unavailable"):
-                allocations.add_metric([name, result], stats.allocations[result])
-            devices.add_metric([name, "Healthy"], stats.healthy_devices)
-            devices.add_metric([name, "Unhealthy"], stats.unhealthy_devices)
-            streams.add_metric([name], stats.streams_open)
-            for where, count in sorted(stats.handler_errors.items()):
-                handler_errors.add_metric([name, where], count)
-            ready.add_metric([name], 0 if stats.not_ready_reason() else 1)
-        yield from (registrations, restarts, allocations, devices, streams, handler_errors, ready)
-
-
-def registry(plugins: Sequence[DevicePlugin], configuration: Configuration) -> CollectorRegistry:
-    collected = CollectorRegistry(auto_describe=True)
-    collected.register(ProcessCollector(registry=None))
-    collected.register(PluginCollector(plugins, configuration))
-    return collected
-
-
-def render(collected: CollectorRegistry) -> bytes:
-    return generate_latest(collected)
+            [((("source", str(configuration.path or "flags")), ("hash", configuration.digest)),
+              1)],
+        ),
+        family("pcc_device_plugin_config_generation", "gauge",
+               "Configurations applied: 1 at start, one more per successful reload.",
+               [((), configuration.generation)]),
+        family("pcc_device_plugin_config_last_reload_successful", "gauge",
+               "0 when the last reload was refused (the file was invalid), else 1.",
+               [((), 0 if configuration.last_reload_failed else 1)]),
+        family("pcc_device_plugin_registrations", "counter",
+               "Successful registrations with kubelet, by what caused them.",
+               [((("resource", name), ("cause", cause)), count)
+                for name, stats in resources
+                for cause, count in sorted(stats.registrations.items())]),
+        family("pcc_device_plugin_kubelet_restarts", "counter", "Kubelet restarts seen.",
+               [((("resource", name),), stats.kubelet_restarts) for name, stats in resources]),
+        family("pcc_device_plugin_allocations", "counter", "Allocate calls, by result.",
+               [((("resource", name), ("result", result)), stats.allocations[result])
+                for name, stats in resources
+                for result in ("ok", "invalid", "unavailable")]),
+        family("pcc_device_plugin_devices", "gauge", "Advertised devices, by health.",
+               [sample for name, stats in resources for sample in (
+                   ((("resource", name), ("health", "Healthy")), stats.healthy_devices),
+                   ((("resource", name), ("health", "Unhealthy")), stats.unhealthy_devices))]),
+        family("pcc_device_plugin_list_and_watch_streams", "gauge", "Open ListAndWatch streams.",
+               [((("resource", name),), stats.streams_open) for name, stats in resources]),
+        family("pcc_device_plugin_handler_errors", "counter",
+               "Unexpected errors in gRPC handlers and connections (bugs), by where.",
+               [((("resource", name), ("where", where)), count)
+                for name, stats in resources
+                for where, count in sorted(stats.handler_errors.items())]),
+        family("pcc_device_plugin_ready", "gauge",
+               "1 when registered with the current kubelet and its ListAndWatch stream is open.",
+               [((("resource", name),), 0 if stats.not_ready_reason() else 1)
+                for name, stats in resources]),
+    ]  # fmt: skip
+    return "".join(families).encode()

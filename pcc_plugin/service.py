@@ -8,13 +8,13 @@ mistakes are INVALID_ARGUMENT, a gone device FAILED_PRECONDITION.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import grpclib.const
 import grpclib.exceptions
 
 from pcc_plugin import wire
-from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.grpc_server import Call, MethodSpec
 from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError
 from pcc_plugin.registration import KubeletLink
@@ -41,7 +41,7 @@ class DevicePluginService:
     def methods(self) -> dict[str, MethodSpec]:
         return {
             SERVICE + "GetDevicePluginOptions": MethodSpec(self.get_device_plugin_options),
-            SERVICE + "ListAndWatch": MethodSpec(self.list_and_watch, streaming=True),
+            SERVICE + "ListAndWatch": MethodSpec(stream=self.list_and_watch),
             SERVICE + "GetPreferredAllocation": MethodSpec(self.get_preferred_allocation),
             SERVICE + "Allocate": MethodSpec(self.allocate),
             SERVICE + "PreStartContainer": MethodSpec(self.pre_start_container),
@@ -53,28 +53,29 @@ class DevicePluginService:
         self._plugin.stats.handler_errors[where] += 1
         log.error("%s: %s failed unexpectedly", self._plugin.spec.name, where, exc_info=error)
 
-    async def get_device_plugin_options(self, call: Call) -> None:
-        await _read(call, wire.EMPTY, "Empty")
+    # Unary methods answer a request's bytes with the response's (see grpc_server.MethodSpec).
+
+    def get_device_plugin_options(self, data: bytes, call: Call) -> bytes:
+        _check(data, wire.EMPTY, "Empty")
         self._link.options_called(call.connection)
-        await call.send(self._options)
+        return self._options
 
     async def list_and_watch(self, call: Call) -> None:
-        await _read(call, wire.EMPTY, "Empty")
+        _check(await call.receive(), wire.EMPTY, "Empty")
         is_kubelet = self._link.stream_opened(call.connection)
         try:
             await self._plugin.feed.stream(call.send)
         finally:
             self._link.stream_closed(is_kubelet)
 
-    async def get_preferred_allocation(self, call: Call) -> None:
-        await _read(call, wire.PREFERRED_ALLOCATION_REQUEST, "PreferredAllocationRequest")
+    def get_preferred_allocation(self, data: bytes, call: Call) -> bytes:
+        _check(data, wire.PREFERRED_ALLOCATION_REQUEST, "PreferredAllocationRequest")
         raise GRPCError(
             Status.UNIMPLEMENTED,
             "GetPreferredAllocation is not offered: every share is the same device",
         )
 
-    async def allocate(self, call: Call) -> None:
-        data = await call.receive()
+    def allocate(self, data: bytes, call: Call) -> bytes:
         advertised = len(self._plugin.devices)
         try:
             containers = wire.read_allocate_request(data, MAX_CONTAINER_REQUESTS, advertised)
@@ -99,10 +100,9 @@ class DevicePluginService:
             raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
         except DeviceUnavailable as exc:
             raise GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
-        await call.send(encode_allocate_response(grants))
+        return encode_allocate_response(grants)
 
-    async def pre_start_container(self, call: Call) -> None:
-        data = await call.receive()
+    def pre_start_container(self, data: bytes, call: Call) -> bytes:
         advertised = len(self._plugin.devices)
         try:
             device_ids = wire.read_device_ids(data, advertised)
@@ -122,43 +122,43 @@ class DevicePluginService:
             raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
         except DeviceUnavailable as exc:
             raise GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
-        await call.send(b"")
+        return b""
 
 
-async def _read(call: Call, schema: wire.Schema, name: str) -> bytes:
-    data = await call.receive()
+def _check(data: bytes, schema: wire.Schema, name: str) -> None:
     try:
         wire.check(data, schema)
     except wire.WireError as exc:
         raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from None
-    return data
 
 
 def encode_allocate_response(grants: list[Grant]) -> bytes:
-    return bytes(
-        api.AllocateResponse(
-            container_responses=[
-                api.ContainerAllocateResponse(
-                    devices=[
-                        api.DeviceSpec(
-                            container_path=node.container_path,
-                            host_path=node.host_path,
-                            permissions=node.permissions,
-                        )
-                        for node in given.device_nodes
-                    ],
-                    mounts=[
-                        api.Mount(
-                            container_path=mount.container_path,
-                            host_path=mount.host_path,
-                            read_only=mount.read_only,
-                        )
-                        for mount in given.mounts
-                    ],
-                    envs=dict(given.envs),
-                    cdi_devices=[api.CdiDevice(name=name) for name in given.cdi_devices],
-                )
-                for given in grants
-            ]
-        )
+    """An AllocateResponse, one ContainerAllocateResponse per grant."""
+    return b"".join(wire.encode_message(1, _container_response(given)) for given in grants)
+
+
+@functools.lru_cache(maxsize=256)
+def _container_response(given: Grant) -> bytes:
+    """A ContainerAllocateResponse. A grant is a pure function of the devices named, so
+    kubelet's calls, which name one share of the same device, find it encoded already."""
+    mounts = (
+        wire.encode_string(1, mount.container_path)
+        + wire.encode_string(2, mount.host_path)
+        + wire.encode_bool(3, mount.read_only)
+        for mount in given.mounts
+    )
+    devices = (
+        wire.encode_string(1, node.container_path)
+        + wire.encode_string(2, node.host_path)
+        + wire.encode_string(3, node.permissions)
+        for node in given.device_nodes
+    )
+    # Fields of ContainerAllocateResponse: envs 1, mounts 2, devices 3, cdi_devices 5.
+    return b"".join(
+        [
+            wire.encode_map(1, dict(given.envs)),
+            *(wire.encode_message(2, mount) for mount in mounts),
+            *(wire.encode_message(3, device) for device in devices),
+            *(wire.encode_message(5, wire.encode_string(1, name)) for name in given.cdi_devices),
+        ]
     )

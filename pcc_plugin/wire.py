@@ -223,8 +223,9 @@ def encode_list_and_watch(devices: Iterable[tuple[str, str]]) -> bytes:
     )
 
 
-def encode_strings(number: int, values: Iterable[str]) -> bytes:
-    return b"".join(_length_prefixed(number, value.encode()) for value in values)
+def encode_string(number: int, value: str) -> bytes:
+    """A singular string field; proto3 leaves an empty one out."""
+    return _length_prefixed(number, value.encode()) if value else b""
 
 
 def encode_message(number: int, payload: bytes) -> bytes:

@@ -57,11 +57,11 @@ async def test_a_filesystem_fault_is_one_line_retried_and_recovered(fault: str) 
     assert not result["traceback"], result["log"]
     assert isinstance(result["retries"], int)
     assert result["retries"] >= 9
-    # A retry that leaked a descriptor would leak one each time: 8 more after the first.
-    # A few come and go with the retries themselves (a directory watch, a listener).
+    # No descriptor kept per retry. The first count may catch the next attempt's (immediate)
+    # directory scan and socket still open; later retries wait first.
     assert isinstance(result["fds_after_retries"], int)
     assert isinstance(result["fds_at_first_retry"], int)
-    assert abs(result["fds_after_retries"] - result["fds_at_first_retry"]) <= 3
+    assert result["fds_after_retries"] <= result["fds_at_first_retry"]
     assert result["registered"]
 
 
@@ -145,6 +145,9 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
     with trio.fail_after(30):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
         endpoint = await serving(kubelet)
+        # Kubelet's stream opens inside Register; the daemon marks itself registered when
+        # Register returns, a moment later.
+        await log_line(daemon, "Registered device plugin with Kubelet")
         daemon.proc.send_signal(signal.SIGUSR1)
         await log_line(daemon, "Task tree:")
         # The tree's last line: it is written depth first, in name order.

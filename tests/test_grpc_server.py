@@ -17,6 +17,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
 import pytest
 import trio
 
@@ -39,9 +43,9 @@ def socket_path() -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def serving(socket_path: Path) -> AsyncIterator[grpc_server.Server]:
+async def serving(socket_path: Path, host_root: str = "") -> AsyncIterator[grpc_server.Server]:
     """The PCC resource's service on `socket_path`, until the block ends (then torn down)."""
-    plugin = DevicePlugin(Flags().pcc_resource(), "", ResourceStats())
+    plugin = DevicePlugin(Flags().pcc_resource(), host_root, ResourceStats())
     service = DevicePluginService(plugin, KubeletLink(plugin.stats))
     server = grpc_server.Server(service.methods(), service.on_error)
     async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
@@ -216,3 +220,84 @@ async def test_an_error_in_an_asyncio_callback_is_logged_and_contained(
     (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
     assert "contained: the daemon goes on" in record.getMessage()
     assert record.exc_info is not None
+
+
+ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
+ONE_SHARE = pb.AllocateRequest(
+    container_requests=[pb.ContainerAllocateRequest(devices_ids=["pcc-0"])]
+).SerializeToString()
+
+
+def raw_calls(
+    path: Path, requests: list[bytes], *, pieces: bool = False, window: int | None = None
+) -> list[tuple[str, bytes]]:
+    """Allocate calls over raw HTTP/2: (grpc-status, answer message) of each, in order.
+
+    Every request goes out in one write, or with `pieces` as headers, then the message, then
+    the end of the stream, each in a write of its own; `window` is the client's initial
+    stream window (how much of an answer it lets through before it reads).
+    """
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    if window is not None:
+        client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", ALLOCATE),
+        (":authority", "localhost"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+    answers: dict[int, bytes] = {}
+    statuses: dict[int, str] = {}
+    with connect(path) as sock:
+        for request in requests:
+            stream = client.get_next_available_stream_id()
+            answers[stream], statuses[stream] = b"", ""
+            client.send_headers(stream, headers)
+            if pieces:
+                sock.sendall(client.data_to_send())
+            client.send_data(stream, b"\0" + len(request).to_bytes(4, "big") + request)
+            if pieces:
+                sock.sendall(client.data_to_send())
+            client.end_stream(stream)
+            if pieces:
+                sock.sendall(client.data_to_send())
+        sock.sendall(client.data_to_send())
+        while "" in statuses.values():
+            data = sock.recv(65536)
+            assert data, "the server closed the connection"
+            for event in client.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    answers[event.stream_id] += event.data
+                    client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
+                    for key, value in event.headers:
+                        if key == b"grpc-status":
+                            statuses[event.stream_id] = value.decode()
+            sock.sendall(client.data_to_send())
+    return [(statuses[stream], answers[stream][5:]) for stream in answers]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "window"),
+    [(False, None), (True, None), (False, 16)],
+    ids=["whole: at once", "in pieces: as tasks", "larger than the client's window: as a task"],
+)
+async def test_unary_calls_are_answered_alike_however_they_arrive(
+    socket_path: Path, host: Path, pieces: bool, window: int | None
+) -> None:
+    with trio.fail_after(10):
+        async with serving(socket_path, str(host)):
+            outcomes = await run_blocking(
+                functools.partial(raw_calls, pieces=pieces, window=window),
+                socket_path,
+                [ONE_SHARE, b"\x0a\x07\x0a\x05pcc-1", b"\x0a\x7f"],
+            )
+    (ok, message), second, (status, _) = outcomes
+    assert ok == "0"
+    (response,) = pb.AllocateResponse.FromString(message).container_responses
+    assert [device.host_path for device in response.devices] == ["/dev/sev-guest"]
+    assert second == outcomes[0]
+    assert status == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])

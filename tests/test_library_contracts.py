@@ -48,7 +48,7 @@ async def test_an_accepted_connection_runs_grpclib_and_counts_its_streams() -> N
     """open_connection: the protocol and its `processor.streams`, on a socket pair."""
     accepted: list[object] = []
 
-    class Recorder(grpclib.protocol.AbstractHandler):
+    class Recorder(_grpclib.Handler):
         def accept(self, stream: object, headers: object, release_stream: object) -> None:
             accepted.append(headers)
 
@@ -56,6 +56,9 @@ async def test_an_accepted_connection_runs_grpclib_and_counts_its_streams() -> N
             pass
 
         def close(self) -> None:
+            pass
+
+        def received(self) -> None:
             pass
 
     server_side, client_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,0 +1,156 @@
+"""The daemon on a fake node against the simulated kubelet, and a grpcio client for it.
+
+Every daemon is ``python -m pcc_plugin`` on a fake node in a temporary directory under /tmp,
+talking over unix sockets to :class:`pcc_plugin.sim.SimKubelet`, which runs on grpcio in the
+benchmark's process. It runs as the image runs it: with compiled bytecode and the image's
+interpreter settings (`IMAGE_ENV`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import grpc
+
+from bench.report import Report
+from pcc_plugin.sim import Daemon, FakeNode, Registration, SimKubelet
+from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
+LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
+WAIT = 30.0
+# What the Containerfile sets for the daemon: no docstrings or asserts in memory.
+IMAGE_ENV = {"PYTHONOPTIMIZE": "2"}
+# Every module the daemon may import, compiled before any start (the image has them compiled).
+DAEMON_MODULES = "pcc_plugin.main, pcc_plugin.supervisor, pcc_plugin.http_server, h11"
+
+
+def bytecode_env(cache: Path) -> dict[str, str]:
+    """Compiled bytecode in `cache`, as the image has it (its build compiles what it installs).
+
+    Without it, a checkout with PYTHONDONTWRITEBYTECODE=1 (as here) compiles the daemon's own
+    modules at every start, which the image never does.
+    """
+    env = {"PYTHONPYCACHEPREFIX": str(cache), "PYTHONDONTWRITEBYTECODE": ""}
+    for optimize in ("", "2"):
+        subprocess.run(
+            [sys.executable, "-c", f"import {DAEMON_MODULES}"],
+            check=True, cwd=ROOT, env={**os.environ, **env, "PYTHONOPTIMIZE": optimize},
+            timeout=WAIT,
+        )  # fmt: skip
+    return {**env, **IMAGE_ENV}
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """No cyclic GC pauses in this process (client and simulated kubelet) while timing."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def accepted(kubelet: SimKubelet) -> list[Registration]:
+    return [registration for registration in kubelet.registrations if registration.accepted]
+
+
+@contextlib.contextmanager
+def plugin_channel(socket_path: Path) -> Iterator[Any]:
+    channel = grpc.insecure_channel(
+        f"unix:{socket_path}", options=[("grpc.default_authority", "localhost")]
+    )
+    try:
+        yield channel
+    finally:
+        channel.close()
+
+
+def allocate_method(channel: Any) -> Any:
+    return channel.unary_unary(
+        ALLOCATE,
+        request_serializer=pb.AllocateRequest.SerializeToString,
+        response_deserializer=pb.AllocateResponse.FromString,
+    )
+
+
+def timed_allocates(method: Any, count: int) -> list[float]:
+    """Round trips of `count` Allocate calls as kubelet makes them: one container request."""
+    request = pb.AllocateRequest(
+        container_requests=[pb.ContainerAllocateRequest(devices_ids=["pcc-0"])]
+    )
+    latencies = []
+    for _ in range(count):
+        started = time.perf_counter()
+        response = method(request, timeout=WAIT)
+        latencies.append(time.perf_counter() - started)
+        if len(response.container_responses) != 1:
+            raise RuntimeError(f"unexpected Allocate answer: {response}")
+    return latencies
+
+
+@attrs.define
+class Bench:
+    """One fake node and simulated kubelet; daemons started on it are stopped at the end."""
+
+    node: FakeNode
+    kubelet: SimKubelet
+    cleanup: contextlib.ExitStack
+    report: Report
+    env: dict[str, str]
+    logs: int = 0
+
+    def spawn(self, *extra: str, env: Mapping[str, str] | None = None) -> Daemon:
+        self.logs += 1
+        args = [*self.node.daemon_args(verbosity=0), *extra]
+        log_path = self.node.root / f"daemon-{self.logs}.log"
+        daemon = Daemon.spawn_plugin(args, log_path, {**self.env, **(env or {})})
+        self.cleanup.callback(daemon.close)
+        return daemon
+
+    def registered(self, after: int, devices: int = 16) -> Registration:
+        """Wait for accepted registration number `after` + 1 and a full list on a live stream."""
+
+        def ready() -> bool:
+            return (
+                len(accepted(self.kubelet)) > after
+                and self.kubelet.stream_open(RESOURCE)
+                and len(self.kubelet.devices(RESOURCE)) == devices
+            )
+
+        self.kubelet.wait_for(ready, WAIT)
+        return accepted(self.kubelet)[after]
+
+    def start(
+        self, *extra: str, devices: int = 16, env: Mapping[str, str] | None = None
+    ) -> tuple[Daemon, str]:
+        """A daemon started and registered; its endpoint's socket name."""
+        before = len(accepted(self.kubelet))
+        daemon = self.spawn(*extra, env=env)
+        return daemon, self.registered(before, devices).endpoint
+
+    def socket(self, endpoint: str) -> Path:
+        return self.node.plugin_dir / endpoint
+
+    def stop(self, daemon: Daemon) -> None:
+        code = daemon.terminate(signal.SIGTERM, WAIT)
+        if code != 0:
+            raise RuntimeError(f"daemon {daemon.pid} exited {code}; log:\n{daemon.log_text()}")
+
+
+def metrics_port(daemon: Daemon) -> int:
+    line = daemon.wait_for_log("Serving /metrics, /livez and /readyz on 127.0.0.1 port ", WAIT)
+    return int(line.rsplit(" ", 1)[1])

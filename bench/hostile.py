@@ -1,0 +1,156 @@
+"""Allocate from a well-behaved client while hostile ones press on the daemon.
+
+In one run, on one daemon: Allocate p50/p99 unloaded, then while (a) 1,000 idle connections
+are held to the plugin socket, (b) a client sends 4 MiB messages in a loop, (c) /metrics is
+flooded; and VmRSS during (a) and after. The hostile clients of (b) and (c) run in processes
+of their own (bench.hostile_clients), so that they do not share the timed client's GIL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from bench import procfs
+from bench.harness import (
+    ROOT,
+    Bench,
+    allocate_method,
+    metrics_port,
+    plugin_channel,
+    timed_allocates,
+)
+from bench.report import mib, ms, percentile
+from pcc_plugin.grpc_server import FIRST_REQUEST_TIMEOUT
+
+IDLE_CONNECTIONS = 1000
+HOLD_SECONDS = 3.0
+FLOOD_RATE = 250.0
+# The requirement: under a /metrics flood, Allocate p99 within this factor of its unloaded figure.
+FLOOD_P99_FACTOR = 2.0
+
+
+def _timed_while(method: Any, busy: Callable[[], bool], least: int) -> list[float]:
+    """Allocate round trips, one after another, while `busy()` (and at least `least` of them)."""
+    latencies: list[float] = []
+    while busy() or len(latencies) < least:
+        latencies += timed_allocates(method, 10)
+    return latencies
+
+
+@contextlib.contextmanager
+def _hostile(*args: str) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.hostile_clients", *args],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"hostile client {args[0]} did not start")
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def _outcome(process: subprocess.Popen[str]) -> tuple[int, int]:
+    assert process.stdout is not None
+    sent, answered = process.stdout.read().split()
+    return int(sent), int(answered)
+
+
+def _hold_idle_connections(
+    path: Path, count: int, held: list[socket.socket], done: threading.Event
+) -> None:
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.append(sock)
+            # Blocking: waits for room in the listen backlog, as a determined client would.
+            sock.connect(str(path))
+    except OSError:
+        pass  # the daemon refused us: we hold what we got
+    finally:
+        done.set()
+
+
+def under_hostile_clients(bench: Bench, least: int, seconds: float) -> None:
+    report = bench.report
+    report.section("Allocate p50 / p99 from a well-behaved client, alone and beside hostile ones")
+    daemon, endpoint = bench.start()
+    port = metrics_port(daemon)
+    path = bench.socket(endpoint)
+    figures: dict[str, Any] = {}
+    with plugin_channel(path) as channel:
+        method = allocate_method(channel)
+        timed_allocates(method, 200)
+
+        def show(label: str, latencies: list[float]) -> float:
+            p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+            figures[label] = {"p50_s": p50, "p99_s": p99, "calls": len(latencies)}
+            report.add(f"{label}: p50 / p99", f"{ms(p50)} / {ms(p99)} ms ({len(latencies)} calls)")
+            return p99
+
+        until = time.monotonic() + seconds
+        unloaded = show("unloaded", _timed_while(method, lambda: time.monotonic() < until, least))
+
+        held: list[socket.socket] = []
+        opened = threading.Event()
+        rss_before = procfs.proc_status(daemon.pid)["VmRSS"]
+        opener = threading.Thread(
+            target=_hold_idle_connections, args=(path, IDLE_CONNECTIONS, held, opened)
+        )
+        opener.start()
+        try:
+            until = time.monotonic() + HOLD_SECONDS
+            latencies = _timed_while(
+                method, lambda: not opened.is_set() or time.monotonic() < until, least
+            )
+            show(f"(a) {IDLE_CONNECTIONS:,} idle connections held", latencies)
+            during = procfs.proc_status(daemon.pid)["VmRSS"]
+            fds = procfs.open_fds(daemon.pid)
+        finally:
+            opener.join()
+            for sock in held:
+                sock.close()
+        # Connections the daemon kept are closed by it for silence; then it is idle again.
+        time.sleep(FIRST_REQUEST_TIMEOUT + 1)
+        after = procfs.proc_status(daemon.pid)["VmRSS"]
+        report.add(
+            "  VmRSS before / during (a) / after",
+            f"{mib(rss_before)} / {mib(during)} / {mib(after)}; {fds} fds open during",
+        )
+        figures["idle_connections_rss_kib"] = [rss_before, during, after]
+
+        with _hostile("large", str(path), str(seconds)) as large:
+            latencies = _timed_while(method, lambda: large.poll() is None, least)
+            sent, refused = _outcome(large)
+        show("(b) 4 MiB messages in a loop", latencies)
+        report.add("  4 MiB messages sent / refused INVALID_ARGUMENT", f"{sent} / {refused}")
+        figures["large_messages"] = [sent, refused]
+
+        with _hostile("metrics", str(port), str(seconds), str(FLOOD_RATE)) as flood:
+            latencies = _timed_while(method, lambda: flood.poll() is None, least)
+            sent, answered = _outcome(flood)
+        flooded = show("(c) /metrics flooded", latencies)
+        rate = answered / seconds
+        report.add("  /metrics requests answered 200", f"{answered} of {sent}, {rate:.0f} a second")
+        figures["metrics_flood"] = [sent, answered]
+        report.check(
+            "(c) p99 as a multiple of unloaded p99",
+            f"{flooded / unloaded:.2f}x at {rate:.0f} scrapes/s",
+            flooded / unloaded,
+            FLOOD_P99_FACTOR,
+            "x",
+        )
+    bench.stop(daemon)
+    report.figures["hostile"] = figures

@@ -1,0 +1,126 @@
+"""The daemon started from the built image, as a node runs it: its interpreter, its bytecode.
+
+`nox -s image` leaves the image as a docker-archive under build/images/. It is loaded into
+podman, a container is created (never started) and its root filesystem mounted; the entry
+point then runs under chroot with exactly the image's environment, in a private mount
+namespace that has /proc, the host's /dev, and the host's /tmp (where the fake node is, so that
+every path is the same inside and out). It needs root and podman; without them, or without the
+archive, the section says so and the rest of the benchmark runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.harness import ROOT, Bench, accepted, metrics_port
+from bench.report import ms
+from bench.scenarios import memory_rows, scrape
+from pcc_plugin.sim import Daemon
+
+ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+ARCHIVE = ROOT / "build" / "images" / f"pcc-device-plugin-linux-{ARCH}.tar"
+
+
+def _podman(*args: str) -> str:
+    return subprocess.run(
+        ["podman", *args], capture_output=True, text=True, check=True, timeout=300
+    ).stdout.strip()
+
+
+@contextlib.contextmanager
+def _image_rootfs() -> Iterator[tuple[dict[str, Any], Path]]:
+    """The image's config and the root filesystem of a container created from it.
+
+    The image is removed from podman's store again if loading it put it there.
+    """
+    before = set(_podman("images", "--all", "--quiet", "--no-trunc").split())
+    loaded = _podman("load", "--quiet", "--input", str(ARCHIVE))
+    image = loaded.rpartition(" ")[2]
+    container = f"pcc-bench-{os.getpid()}"
+    try:
+        _podman("create", "--name", container, image)
+        config = json.loads(_podman("image", "inspect", image))[0]["Config"]
+        yield config, Path(_podman("mount", container))
+    finally:
+        subprocess.run(["podman", "umount", container], capture_output=True, check=False)
+        subprocess.run(["podman", "rm", "--force", container], capture_output=True, check=False)
+        after = set(_podman("images", "--all", "--quiet", "--no-trunc").split())
+        if after - before:
+            subprocess.run(["podman", "rmi", "--force", *sorted(after - before)],
+                           capture_output=True, check=False)  # fmt: skip
+
+
+def _argv(config: dict[str, Any], rootfs: Path, args: list[str]) -> list[str]:
+    root = shlex.quote(str(rootfs))
+    entry = ["env", "-i", *config.get("Env", []), "chroot", str(rootfs),
+             *config["Entrypoint"], *args]  # fmt: skip
+    script = "\n".join(
+        [
+            "set -eu",
+            f"mount -t proc proc {root}/proc",
+            f"mount --rbind /dev {root}/dev",
+            f"mkdir -p {root}/tmp && mount --bind /tmp {root}/tmp",
+            f"exec {shlex.join(entry)}",
+        ]
+    )
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+
+
+def from_image(bench: Bench) -> None:
+    report = bench.report
+    report.section(f"the daemon from the image ({ARCHIVE.relative_to(ROOT)}), as a node runs it")
+    if not ARCHIVE.exists():
+        report.add("not measured", "no image archive: run `nox -s image` first")
+        return
+    if os.geteuid() != 0 or shutil.which("podman") is None:
+        report.add("not measured", "needs root and podman")
+        return
+    try:
+        _measure(bench)
+    except subprocess.CalledProcessError as exc:
+        report.add(
+            "not measured", f"podman failed: {' '.join(exc.cmd[:3])}: {exc.stderr.strip()[:80]}"
+        )
+
+
+def _measure(bench: Bench) -> None:
+    report = bench.report
+    with _image_rootfs() as (config, rootfs):
+        args = bench.node.daemon_args(verbosity=0)
+        before = len(accepted(bench.kubelet))
+        bench.logs += 1
+        started = time.monotonic()
+        daemon = Daemon(_argv(config, rootfs, args), bench.node.root / f"image-{bench.logs}.log")
+        try:
+            registration = bench.registered(before)
+            report.add(
+                "start -> registered (one start)", f"{ms(registration.answered_at - started)} ms"
+            )
+            python_env = [e for e in config.get("Env", []) if e.startswith("PYTHON")]
+            report.add("entry point", " ".join([*python_env, *config["Entrypoint"]]))
+            time.sleep(2)
+            figures = {
+                "not_scraped": memory_rows(
+                    bench, daemon.pid, "metrics on, not scraped yet", check=False
+                )
+            }
+            port = metrics_port(daemon)
+            for path in ("/metrics", "/livez", "/readyz"):
+                scrape(port, path)
+            time.sleep(1)
+            figures["scraped"] = memory_rows(
+                bench, daemon.pid, "metrics on (default), scraped", check=True
+            )
+            report.figures["image_kib"] = figures
+            bench.stop(daemon)
+        finally:
+            daemon.close()

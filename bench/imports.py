@@ -1,0 +1,121 @@
+"""What the daemon imports: time before it registers (-X importtime), and memory per import."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from bench.harness import ROOT, WAIT, Bench
+from bench.report import Report, mib
+
+# Imported cumulatively in this order, each step in a fresh interpreter: roughly the order in
+# which `python -m pcc_plugin` imports them. A step lists modules separated by commas.
+IMPORT_STEPS: tuple[tuple[str, str], ...] = (
+    ("attrs", "attrs"),
+    ("ssl (libssl, libcrypto)", "ssl"),
+    ("asyncio", "asyncio"),
+    ("trio", "trio"),
+    ("trio_asyncio (+ greenlet)", "trio_asyncio"),
+    ("grpclib client+server (+ h2, hpack, multidict)", "grpclib.client,grpclib.server"),
+    ("betterproto2 and the generated code", "pcc_plugin._proto.v1beta1"),
+    ("asyncinotify (+ ctypes, ctypes.util)", "asyncinotify"),
+    ("rest of the daemon (pcc_plugin.supervisor)", "pcc_plugin.main,pcc_plugin.supervisor"),
+    ("pcc_plugin.http_server (metrics on)", "pcc_plugin.http_server"),
+    ("h11 (at the first HTTP request)", "h11"),
+)
+# Never needed to register: each would cost start time and memory if imported before.
+NOT_BEFORE_REGISTERING = (
+    "pcc_plugin.doctor",
+    "pcc_plugin.sim",
+    "pcc_plugin.profiles",
+    "yaml",
+    "h11",
+    "prometheus_client",
+    "importlib.metadata",
+    "email",
+)
+_IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
+# As the daemon starts: betterproto2's version read without importlib.metadata.
+_PRELUDE = "from pcc_plugin import _betterproto2\n_betterproto2.install()\n"
+_REPORT_RSS = (
+    "for _line in open('/proc/self/status'):\n"
+    "    if _line.startswith('VmRSS:'):\n"
+    "        print(_line.split()[1])\n"
+)
+
+
+def import_time_before_registering(bench: Bench) -> None:
+    """The daemon's own `-X importtime` lines up to its registration, summed by package."""
+    report = bench.report
+    report.section("imports before registering (-X importtime of one start, metrics on)")
+    daemon, _ = bench.start(env={"PYTHONPROFILEIMPORTTIME": "1"})
+    # The daemon logs it once Register has returned, a moment after kubelet accepted.
+    daemon.wait_for_log("Registered device plugin with Kubelet", WAIT)
+    bench.stop(daemon)
+    log = daemon.log_text()
+    before = log[: log.index("Registered device plugin with Kubelet")]
+    by_package: collections.Counter[str] = collections.Counter()
+    modules = set()
+    for line in before.splitlines():
+        match = _IMPORT_LINE.match(line)
+        if match:
+            self_us, _, _, module = match.groups()
+            modules.add(module)
+            by_package[_package(module)] += int(self_us)
+    total = sum(by_package.values())
+    report.figures["import_time_us"] = dict(by_package)
+    report.add("modules imported / their import time", f"{len(modules)} / {total / 1000:.0f} ms")
+    for package, micros in by_package.most_common(8):
+        report.add(f"  {package}", f"{micros / 1000:.1f} ms")
+    found = [name for name in NOT_BEFORE_REGISTERING if _imported(name, modules)]
+    report.add("imported before registering, not needed for it", ", ".join(found) or "none")
+
+
+def _package(module: str) -> str:
+    if module.startswith("pcc_plugin"):
+        return "pcc_plugin (ours, with generated code)"
+    top = module.split(".")[0]
+    return "stdlib and other" if top.startswith("_") or top in sys.stdlib_module_names else top
+
+
+def _imported(name: str, modules: set[str]) -> bool:
+    return any(module == name or module.startswith(name + ".") for module in modules)
+
+
+def import_rss(modules: Sequence[str], runs: int, env: dict[str, str]) -> float:
+    """VmRSS in kB of a fresh interpreter after importing `modules`, lowest of `runs`."""
+    source = _PRELUDE + "".join(f"import {module}\n" for module in modules) + _REPORT_RSS
+    figures = []
+    for _ in range(runs):
+        output = subprocess.run(
+            [sys.executable, "-c", source],
+            capture_output=True, text=True, check=True, cwd=ROOT,
+            env={**os.environ, **env}, timeout=WAIT,
+        ).stdout  # fmt: skip
+        figures.append(float(output))
+    return min(figures)
+
+
+def import_table(report: Report, runs: int, env: dict[str, str]) -> None:
+    report.section("VmRSS of imports, fresh interpreters: 'adds' cumulative in this order, 'alone'")
+    bare = import_rss([], runs, env)
+    report.add("bare interpreter (this venv, site on, pcc_plugin._betterproto2)", mib(bare))
+    cumulative: list[str] = []
+    previous = bare
+    table = {"bare": bare}
+    for label, modules in IMPORT_STEPS:
+        cumulative += modules.split(",")
+        total = import_rss(cumulative, runs, env)
+        alone = import_rss(modules.split(","), runs, env)
+        report.add(
+            f"+ {label}",
+            f"adds {(total - previous) / 1024:+.1f}, alone {(alone - bare) / 1024:+.1f}, "
+            f"total {mib(total)}",
+        )
+        table[label] = total
+        previous = total
+    report.figures["imports_kib"] = table

@@ -1,0 +1,91 @@
+"""The report: one table of figures, each compared with its target, and the raw figures."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def ms(seconds: float) -> str:
+    value = seconds * 1000
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def mib(kib: float) -> str:
+    return f"{kib / 1024:.1f} MiB"
+
+
+@attrs.define
+class Row:
+    figure: str
+    value: str
+    target: str = ""
+    verdict: str = ""
+
+
+@attrs.define
+class Report:
+    rows: list[Row | str] = attrs.Factory(list)
+    figures: dict[str, Any] = attrs.Factory(dict)
+    misses: list[str] = attrs.Factory(list)
+
+    def section(self, title: str) -> None:
+        self.rows.append(title)
+
+    def add(self, figure: str, value: str) -> None:
+        self.rows.append(Row(figure, value))
+
+    def check(
+        self,
+        figure: str,
+        value: str,
+        measured: float,
+        limit: float,
+        unit: str,
+        *,
+        at_least: bool = False,
+    ) -> None:
+        met = measured >= limit if at_least else measured <= limit
+        if not met:
+            self.misses.append(figure)
+        target = f"{'>=' if at_least else '<='} {limit:g} {unit}"
+        self.rows.append(Row(figure, value, target, "PASS" if met else "MISS"))
+
+    def render(self, header: Sequence[str]) -> str:
+        rows = [row for row in self.rows if isinstance(row, Row)]
+        widths = [
+            max([len(title)] + [len(getattr(row, field)) for row in rows])
+            for title, field in (
+                ("figure", "figure"),
+                ("value", "value"),
+                ("target", "target"),
+                ("", "verdict"),
+            )
+        ]
+        total = sum(widths) + 3 * (len(widths) - 1)
+        out = [*header, "", "=" * total]
+        titles = ("figure", "value", "target", "result")
+        out.append("   ".join(t.ljust(w) for t, w in zip(titles, widths, strict=True)).rstrip())
+        for row in self.rows:
+            if isinstance(row, str):
+                out += ["-" * total, row]
+                continue
+            cells = (row.figure, row.value, row.target, row.verdict)
+            out.append("   ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+        out.append("=" * total)
+        passed = sum(1 for row in rows if row.verdict == "PASS")
+        out.append(
+            f"{passed} of {passed + len(self.misses)} targets met"
+            + (f"; missed: {', '.join(self.misses)}" if self.misses else "")
+        )
+        return "\n".join(out)

@@ -1,0 +1,52 @@
+"""What pcc_plugin._betterproto2 relies on in betterproto2, pinned: an upgrade fails here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from pcc_plugin import _betterproto2
+
+
+def _in_fresh_interpreter(source: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", source], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
+
+
+def test_the_stand_in_has_what_betterproto2_imports_from_its_own_module() -> None:
+    names = _in_fresh_interpreter(
+        "import betterproto2._version as v; "
+        "print(' '.join(sorted(n for n in vars(v) if not n.startswith('_') or n == '__version__')))"
+    ).split()
+    assert set(names) - {"metadata"} == {"__version__", "check_compiler_version"}
+
+
+def test_the_version_is_the_one_importlib_metadata_finds() -> None:
+    assert _betterproto2.installed_version() == version("betterproto2")
+
+
+def test_the_generated_code_imports_without_importlib_metadata() -> None:
+    output = _in_fresh_interpreter(
+        "import sys\n"
+        "from pcc_plugin import _betterproto2\n"
+        "_betterproto2.install()\n"
+        "import betterproto2, pcc_plugin._proto.v1beta1\n"
+        "print(betterproto2.__version__, 'importlib.metadata' in sys.modules)\n"
+    )
+    assert output == f"{version('betterproto2')} False"
+
+
+def test_the_check_is_betterproto2s_rule() -> None:
+    from pcc_plugin._proto import v1beta1
+
+    _betterproto2.compiler_version_check(version("betterproto2"))(v1beta1._COMPILER_VERSION)
+    check = _betterproto2.compiler_version_check("0.10.3")
+    check("0.10.0")
+    with pytest.raises(ImportError, match="regenerate"):
+        check("0.11.0")
+    with pytest.raises(ImportError):
+        check("1.10.0")
