@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import hostile, image, imports, scenarios
+from bench import hostile, image, imports, rollout, scenarios
 from bench.harness import IMAGE_ENV, Bench, bytecode_env
 from bench.report import Report
 from pcc_plugin.sim import FakeNode, SimKubelet
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> Report:
             bench.stop(daemon)
             scenarios.list_and_watch(bench, (16, 1000, 10_000), 20, 2 if quick else 5)
             hostile.under_hostile_clients(bench, 100 if quick else 1000, 2 if quick else 5)
+            rollout.rollouts(bench, 1 if quick else 5)
             if not args.no_image:
                 image.from_image(bench)
         imports.import_table(report, 1 if quick else 3, env)
