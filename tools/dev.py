@@ -14,13 +14,14 @@ with uv from this same python3.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
 import os
 import platform
-import stat
 import sys
+import tempfile
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -81,7 +82,16 @@ def uv_binary() -> Path:
             f"no pinned uv for {sys.platform}/{machine}: install uv {UV_VERSION} and nox "
             f"{NOX_VERSION} yourself (e.g. pipx install nox=={NOX_VERSION}) and run nox"
         )
-    filename, sha256 = UV_WHEELS[machine]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # Several runs may start at once (CI runs two); one fetches, the others wait for it.
+    with open(CACHE / "fetch.lock", "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.exists():
+            install(binary, *UV_WHEELS[machine])
+    return binary
+
+
+def install(binary: Path, filename: str, sha256: str) -> None:
     print(f"tools/dev.py: fetching uv {UV_VERSION} from {INDEX} (once)", file=sys.stderr)
     try:
         with urllib.request.urlopen(wheel_url(filename), timeout=300) as response:
@@ -92,12 +102,13 @@ def uv_binary() -> Path:
         fail(f"{filename} does not have the expected SHA-256: refusing to run it")
     with zipfile.ZipFile(io.BytesIO(data)) as wheel:
         content = wheel.read(f"uv-{UV_VERSION}.data/scripts/uv")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    staged = CACHE / "uv.partial"
-    staged.write_bytes(content)
-    staged.chmod(staged.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    staged.replace(binary)
-    return binary
+    # Written under a name of its own and closed before the rename: exec fails (ETXTBSY) on a
+    # file any process still holds open for writing.
+    descriptor, staged = tempfile.mkstemp(dir=CACHE, prefix="uv.")
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(content)
+    os.chmod(staged, 0o755)
+    os.replace(staged, binary)
 
 
 def main() -> None:

@@ -1,0 +1,102 @@
+"""tools/dev.py, the quick start's bootstrap, when several runs start at once (CI starts two)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.server
+import io
+import json
+import platform
+import subprocess
+import sys
+import threading
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+DEV = Path(__file__).resolve().parent.parent / "tools" / "dev.py"
+RUNS = 6
+# Large enough that the runs' writes of it overlap when nothing orders them.
+PADDING = b"#" * (16 << 20)
+
+# Loads tools/dev.py with the index, the pin and the cache pointed at the test's, then runs it.
+DRIVER = """
+import importlib.util, platform, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("dev", sys.argv[1])
+dev = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(dev)
+dev.INDEX, dev.CACHE = sys.argv[2], Path(sys.argv[3])
+dev.UV_WHEELS = {platform.machine(): (sys.argv[4], sys.argv[5])}
+sys.argv = ["dev.py", "-s", "demo"]
+dev.main()
+"""
+
+
+def fake_uv_wheel(version: str) -> bytes:
+    script = b'#!/bin/sh\necho ran "$@"\nexit 0\n' + PADDING + b"\n"
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as wheel:
+        wheel.writestr(f"uv-{version}.data/scripts/uv", script)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Iterator[tuple[str, str, str]]:
+    """A package index serving the fake wheel once every run has asked for it."""
+    version = "0.13.9"
+    filename = f"uv-{version}-fake.whl"
+    wheel = fake_uv_wheel(version)
+    # Without the lock every run asks at once; with it only one does, served after the timeout.
+    everyone_asked = threading.Barrier(RUNS, timeout=2)
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/uv/":
+                url = f"http://127.0.0.1:{self.server.server_port}/{filename}"
+                body = json.dumps({"files": [{"filename": filename, "url": url}]}).encode()
+            else:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    everyone_asked.wait()
+                body = wheel
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", filename, hashlib.sha256(wheel).hexdigest()
+    finally:
+        server.shutdown()
+        server.server_close()
+        everyone_asked.abort()
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="dev.py pins uv for Linux only")
+def test_runs_started_together_all_get_a_runnable_uv(
+    index: tuple[str, str, str], tmp_path: Path
+) -> None:
+    url, filename, sha256 = index
+    cache = tmp_path / "cache"
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DRIVER, str(DEV), url, str(cache), filename, sha256],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(RUNS)
+    ]
+    outcomes = [run.communicate(timeout=60) for run in runs]
+    for run, (out, err) in zip(runs, outcomes, strict=True):
+        assert run.returncode == 0, err.decode()[-800:]
+        assert out.decode().startswith("ran tool run"), out.decode()
+    assert sorted(path.name for path in cache.iterdir()) == ["fetch.lock", "uv"]
