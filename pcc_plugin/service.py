@@ -8,8 +8,10 @@ mistakes are INVALID_ARGUMENT, a gone device FAILED_PRECONDITION.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 
 import grpclib.const
 import grpclib.exceptions
@@ -76,53 +78,49 @@ class DevicePluginService:
         )
 
     def allocate(self, data: bytes, call: Call) -> bytes:
-        advertised = len(self._plugin.devices)
+        with self._reading("AllocateRequest"):
+            containers = wire.read_allocate_request(
+                data, MAX_CONTAINER_REQUESTS, len(self._plugin.devices)
+            )
+        with _answering():
+            return encode_allocate_response(self._plugin.allocate(containers))
+
+    def pre_start_container(self, data: bytes, call: Call) -> bytes:
+        with self._reading("PreStartContainerRequest"):
+            device_ids = wire.read_device_ids(data, len(self._plugin.devices))
+        with _answering():
+            self._plugin.pre_start_container(device_ids)
+        return b""
+
+    @contextlib.contextmanager
+    def _reading(self, name: str) -> Iterator[None]:
+        """A request that is malformed, or too large for this resource: INVALID_ARGUMENT."""
         try:
-            containers = wire.read_allocate_request(data, MAX_CONTAINER_REQUESTS, advertised)
+            yield
         except wire.WireError as exc:
-            raise GRPCError(
-                Status.INVALID_ARGUMENT, f"cannot decode AllocateRequest: {exc}"
-            ) from None
+            raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from None
         except wire.TooManyContainers:
             raise GRPCError(
                 Status.INVALID_ARGUMENT,
-                f"AllocateRequest has more than {MAX_CONTAINER_REQUESTS} container requests",
+                f"{name} has more than {MAX_CONTAINER_REQUESTS} container requests",
             ) from None
         except wire.TooMany:
             raise GRPCError(
                 Status.INVALID_ARGUMENT,
-                f"AllocateRequest names more device IDs than the {advertised} "
+                f"{name} names more device IDs than the {len(self._plugin.devices)} "
                 f"{self._plugin.spec.name} advertises",
             ) from None
-        try:
-            grants = self._plugin.allocate(containers)
-        except RequestError as exc:
-            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
-        except DeviceUnavailable as exc:
-            raise GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
-        return encode_allocate_response(grants)
 
-    def pre_start_container(self, data: bytes, call: Call) -> bytes:
-        advertised = len(self._plugin.devices)
-        try:
-            device_ids = wire.read_device_ids(data, advertised)
-        except wire.WireError as exc:
-            raise GRPCError(
-                Status.INVALID_ARGUMENT, f"cannot decode PreStartContainerRequest: {exc}"
-            ) from None
-        except wire.TooMany:
-            raise GRPCError(
-                Status.INVALID_ARGUMENT,
-                f"PreStartContainerRequest names more device IDs than the {advertised} "
-                f"{self._plugin.spec.name} advertises",
-            ) from None
-        try:
-            self._plugin.pre_start_container(device_ids)
-        except RequestError as exc:
-            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
-        except DeviceUnavailable as exc:
-            raise GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
-        return b""
+
+@contextlib.contextmanager
+def _answering() -> Iterator[None]:
+    """The plugin's refusals as gRPC statuses: a client's mistake, or a device gone."""
+    try:
+        yield
+    except RequestError as exc:
+        raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+    except DeviceUnavailable as exc:
+        raise GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
 
 
 def _check(data: bytes, schema: wire.Schema, name: str) -> None:
