@@ -13,7 +13,7 @@ from pathlib import Path
 
 import nox
 
-# tools/images.py builds the image for each architecture (issue 12).
+# tools/images.py builds the image for each architecture; the image sessions call it.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
 import images
 
