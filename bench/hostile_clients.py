@@ -17,6 +17,7 @@ import time
 import grpc
 
 from bench.harness import ALLOCATE
+from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
 FOUR_MIB = 4 * 1024 * 1024
 _REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
@@ -47,9 +48,9 @@ def large_messages(socket_path: str, seconds: float) -> tuple[int, int]:
     The daemon accepts messages of up to 4 MiB, reads this one and refuses the ID: the
     expected answer is INVALID_ARGUMENT.
     """
-    device_id = b"x" * (FOUR_MIB - 16)
-    container = b"\x0a" + _varint(len(device_id)) + device_id
-    request = b"\x0a" + _varint(len(container)) + container
+    request = pb.AllocateRequest(
+        container_requests=[pb.ContainerAllocateRequest(devices_ids=["x" * (FOUR_MIB - 16)])]
+    ).SerializeToString()
     assert len(request) <= FOUR_MIB
     sent = answered = 0
     with grpc.insecure_channel(
@@ -67,15 +68,6 @@ def large_messages(socket_path: str, seconds: float) -> tuple[int, int]:
             except grpc.RpcError as error:
                 answered += error.code() == grpc.StatusCode.INVALID_ARGUMENT
     return sent, answered
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def main(argv: list[str]) -> None:

@@ -23,6 +23,7 @@ from daemon_support import RESOURCE, WAIT, log_line, serving
 from raw_clients import Outcome, call, grpc_frame, http_get, reset_after
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
+from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
 ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
 INVALID_ARGUMENT, UNIMPLEMENTED, RESOURCE_EXHAUSTED = 3, 12, 8
@@ -146,21 +147,12 @@ async def test_100000_device_ids_are_refused_without_decoding_them(
     with trio.fail_after(30):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
         endpoint = await serving(kubelet)
-        container = b"\x0a\x05pcc-0" * 100_000
-        body = grpc_frame(b"\x0a" + _varint(len(container)) + container)
+        many = pb.ContainerAllocateRequest(devices_ids=["pcc-0"] * 100_000)
+        body = grpc_frame(pb.AllocateRequest(container_requests=[many]).SerializeToString())
         outcome = await run_blocking(call, fake_node.plugin_dir / endpoint, ALLOCATE, body)
         assert outcome.status == INVALID_ARGUMENT, outcome
         assert "names more device IDs than the 16" in outcome.message
         await kubelet_unharmed(kubelet, daemon)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 @pytest.mark.slow
