@@ -56,7 +56,7 @@ def index(tmp_path: Path) -> Iterator[tuple[str, str, str]]:
     class Index(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path == "/uv/":
-                url = f"http://127.0.0.1:{self.server.server_port}/{filename}"
+                url = f"{base}/{filename}"
                 body = json.dumps({"files": [{"filename": filename, "url": url}]}).encode()
             else:
                 with contextlib.suppress(threading.BrokenBarrierError):
@@ -71,10 +71,11 @@ def index(tmp_path: Path) -> Iterator[tuple[str, str, str]]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    base = f"http://127.0.0.1:{server.server_port}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_port}", filename, hashlib.sha256(wheel).hexdigest()
+        yield base, filename, hashlib.sha256(wheel).hexdigest()
     finally:
         server.shutdown()
         server.server_close()
