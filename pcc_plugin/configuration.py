@@ -9,7 +9,6 @@ invalid, one error line says why and the running configuration keeps serving.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 from pathlib import Path
 
@@ -37,20 +36,6 @@ class Configuration:
     digest: str
     generation: int = 1
     last_reload_failed: bool = False
-
-    @classmethod
-    def from_flags(cls, specs: list[ResourceSpec], path: str) -> Configuration:
-        file = Path(path) if path else None
-        return cls(specs, file, file_digest(file) if file else "flags")
-
-
-def file_digest(path: Path) -> str:
-    """A short hash of the file's bytes, as /metrics shows it and the doctor compares it."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return "unreadable"
-    return hashlib.sha256(data).hexdigest()[:16]
 
 
 async def watch_config_file(

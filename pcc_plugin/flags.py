@@ -295,13 +295,14 @@ def version_text(verbosity: int) -> str:
     return text
 
 
-def resources(config: Flags, prog: str) -> list[ResourceSpec]:
-    """The resources to serve: the file's with --config, else the PCC profile from the flags.
+def resources(config: Flags, prog: str) -> tuple[list[ResourceSpec], str]:
+    """The resources to serve: the file's with --config, else the PCC profile from the flags;
+    and the hash of the file they were read from ("flags" without one).
 
     A bad file is a usage error: one line naming the file and the key.
     """
     if not config.config:
-        return [config.pcc_resource()]
+        return [config.pcc_resource()], "flags"
     # Imported only now: the YAML parser is not needed without --config.
     from pcc_plugin import profiles
 

@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         print(flags.version_text(config.verbosity))
         sys.exit(0)
     klog.configure(config.verbosity)
-    specs = flags.resources(config, flags.PROG)
+    specs, digest = flags.resources(config, flags.PROG)
     if not config.config:
         problem = health_problem(specs[0], config.host_root)
         if problem:
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     # walk it again at every full collection.
     gc.freeze()
     try:
-        trio.run(supervisor.run, config, specs)
+        trio.run(supervisor.run, config, specs, digest)
     except* FatalError as group:
         for error in _leaves(group):
             log.error("%s", error)

@@ -25,7 +25,7 @@ import glob
 import re
 from collections.abc import Callable
 from pathlib import PurePosixPath
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pcc_plugin import yaml_input
 from pcc_plugin.resource import (
@@ -46,6 +46,13 @@ _DEVICE_KEYS = {"hostPath", "containerPath", "permissions", "type", OPT_IN}
 _MOUNT_KEYS = {"hostPath", "containerPath", "readOnly", OPT_IN}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SOCKET_PREFIX = re.compile(r"[a-z0-9][a-z0-9.-]{0,19}")
+
+
+class Profile(NamedTuple):
+    """The resources a file describes, and the hash of the bytes they were read from."""
+
+    specs: list[ResourceSpec]
+    digest: str
 
 
 class ProfileError(ValueError):
@@ -182,7 +189,7 @@ def _resource(where: str, value: Any) -> ResourceSpec:
     return ResourceSpec(name, count, prefix, devices, mounts, envs)
 
 
-def load(path: str) -> list[ResourceSpec]:
+def load(path: str) -> Profile:
     """Every resource in the file, validated whole, or ProfileError: one line naming the file,
     the key path (or line and column) and the problem.
 
@@ -193,7 +200,7 @@ def load(path: str) -> list[ResourceSpec]:
     except yaml_input.InputError as exc:
         raise ProfileError(str(exc)) from None
     try:
-        top = _mapping(yaml_input.ROOT, document, {"resources"}, {"resources"})
+        top = _mapping(yaml_input.ROOT, document.value, {"resources"}, {"resources"})
         specs = list(_list("resources", top["resources"], _resource))
         if not specs:
             raise KeyProblem("resources", "must list at least one resource")
@@ -208,4 +215,4 @@ def load(path: str) -> list[ResourceSpec]:
                     )
     except KeyProblem as exc:
         raise ProfileError(f"{path}: {exc}") from None
-    return specs
+    return Profile(specs, document.digest)

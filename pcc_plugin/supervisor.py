@@ -45,7 +45,7 @@ import trio
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.configuration import Configuration, file_digest, watch_config_file
+from pcc_plugin.configuration import Configuration, watch_config_file
 from pcc_plugin.errors import FatalError
 from pcc_plugin.flags import Flags
 from pcc_plugin.health import watch_health
@@ -84,8 +84,8 @@ class Restart:
         self.scope.cancel()
 
 
-async def run(config: Flags, specs: list[ResourceSpec]) -> None:
-    configuration = Configuration.from_flags(specs, config.config)
+async def run(config: Flags, specs: list[ResourceSpec], digest: str) -> None:
+    configuration = Configuration(specs, Path(config.config) if config.config else None, digest)
     reloads, reload_requests = trio.open_memory_channel[str](1)
     resources = Resources(config, configuration)
     async with bridge.asyncio_loop(), trio.open_nursery() as root:
@@ -205,18 +205,17 @@ class Resources:
             log.info("Nothing to reload (%s): the resources come from flags, not --config",
                      reason)  # fmt: skip
             return
-        digest = file_digest(configuration.path)
-        if digest == configuration.digest:
-            configuration.last_reload_failed = False
-            log.log(V1, "Configuration unchanged (%s)", reason)
-            return
         from pcc_plugin import profiles
 
         try:
-            specs = profiles.load(str(configuration.path))
+            specs, digest = profiles.load(str(configuration.path))
         except profiles.ProfileError as exc:
             configuration.last_reload_failed = True
             log.error("Configuration not reloaded, the running one stays: %s", exc)
+            return
+        if digest == configuration.digest:
+            configuration.last_reload_failed = False
+            log.log(V1, "Configuration unchanged (%s)", reason)
             return
         old = {spec.name: spec for spec in configuration.specs}
         new = {spec.name: spec for spec in specs}

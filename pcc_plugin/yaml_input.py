@@ -14,11 +14,13 @@ no value may hold a NUL (no path, argument or environment variable can).
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import re
 import stat
 from typing import Any
 
+import attrs
 import yaml
 
 MAX_BYTES = 128 * 1024
@@ -31,6 +33,15 @@ _SAVE_AS_UTF8 = "save it as UTF-8"
 _STR = "tag:yaml.org,2002:str"
 _MERGE = "tag:yaml.org,2002:merge"
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_./<-]{1,64}")
+
+
+@attrs.frozen
+class Document:
+    """A file's one YAML document, and a short hash of the very bytes it was read from: what
+    runs is named by it (in /metrics), never by a second read that may find a newer file."""
+
+    value: Any
+    digest: str
 
 
 class InputError(ValueError):
@@ -56,11 +67,12 @@ def shown_value(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def load(path: str) -> Any:
+def load(path: str) -> Document:
     """The file's one YAML document as Python values, or InputError."""
-    text = _read_text(path)
+    data = _read(path)
+    text = _decoded(path, data)
     try:
-        return _parse(text)
+        value = _parse(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -76,6 +88,7 @@ def load(path: str) -> Any:
         ) from None
     except KeyProblem as exc:
         raise InputError(f"{path}: {exc}") from None
+    return Document(value, hashlib.sha256(data).hexdigest()[:16])
 
 
 def _parse(text: str) -> Any:
@@ -90,7 +103,7 @@ def _parse(text: str) -> Any:
         loader.dispose()
 
 
-def _read_text(path: str) -> str:
+def _read(path: str) -> bytes:
     try:
         # Non-blocking: a FIFO named by mistake must not hang the start.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -108,6 +121,10 @@ def _read_text(path: str) -> str:
         os.close(fd)
     if len(data) > MAX_BYTES:
         raise InputError(f"{path}: is larger than {MAX_BYTES // 1024} KiB, the most it may be")
+    return data
+
+
+def _decoded(path: str, data: bytes) -> str:
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE, codecs.BOM_UTF32_BE)):
         raise InputError(
             f"{path}: is UTF-16 or UTF-32 (it starts with a byte-order mark); {_SAVE_AS_UTF8}"

@@ -21,6 +21,7 @@ from pcc_plugin.doctor.config import check_config
 from pcc_plugin.doctor.node import check_pcc_node
 from pcc_plugin.doctor.report import Result
 from pcc_plugin.flags import Flags
+from pcc_plugin.profiles import load
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
@@ -568,7 +569,9 @@ async def test_a_file_the_daemon_has_not_applied_yet_warns(tmp_path: Path) -> No
             )
             (listener,) = listeners
             port = listener.socket.getsockname()[1]
-            result = await check_config(str(config), f"127.0.0.1:{port}", None)
+            result = await check_config(
+                str(config), f"127.0.0.1:{port}", load(str(config)).digest, None
+            )
             nursery.cancel_scope.cancel()
     assert result.status == "WARN"
     assert "is not what the daemon runs (hash 0123456789abcdef)" in result.detail

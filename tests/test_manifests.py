@@ -492,8 +492,8 @@ def uncommented(text: str) -> str:
 
 def test_shipped_profile_is_the_pcc_profile() -> None:
     """As shipped, the profiles overlay serves what the base serves from its flags."""
-    shipped = load(str(PROFILE_FILE))
-    assert shipped == load(str(PCC_EXAMPLE))
+    shipped = load(str(PROFILE_FILE)).specs
+    assert shipped == load(str(PCC_EXAMPLE)).specs
     args = plugin_container(daemonset("manifests/base"))["args"]
     base_config, _ = parse(args, "pcc-device-plugin", main.DESCRIPTION, main.EPILOG)
     assert shipped == [as_flag_profile(base_config.pcc_resource())]
@@ -508,7 +508,9 @@ def test_shipped_profile_example_loads_when_uncommented(tmp_path: Path) -> None:
     assert text != PROFILE_FILE.read_text(), "the commented example is gone"
     edited = tmp_path / "profiles.yaml"
     edited.write_text(text)
-    assert load(str(edited)) == load(str(PCC_EXAMPLE)) + load(str(POWER_EXAMPLE))
+    assert load(str(edited)).specs == (
+        load(str(PCC_EXAMPLE)).specs + load(str(POWER_EXAMPLE)).specs
+    )
 
 
 @pytest.mark.parametrize("directory", PROFILES)
@@ -518,7 +520,7 @@ def test_profile_host_paths_are_seen_live_by_the_plugin(directory: str, tmp_path
     host_root = flag(plugin_container(ds), "host-root", "")
     edited = tmp_path / "profiles.yaml"
     edited.write_text(uncommented(PROFILE_FILE.read_text()))
-    for spec in load(str(edited)):
+    for spec in load(str(edited)).specs:
         for node in spec.device_nodes:
             # A glob is watched through its directory.
             path = str(PurePosixPath(node.host_path).parent) if node.is_glob else node.host_path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import textwrap
@@ -29,8 +30,8 @@ def write(tmp_path: Path, text: str) -> str:
 
 def test_the_shipped_examples_load() -> None:
     pcc, power = (
-        load(str(ROOT / "docs" / "examples" / "pcc.yaml")),
-        load(str(ROOT / "docs" / "examples" / "power-block.yaml")),
+        load(str(ROOT / "docs" / "examples" / "pcc.yaml")).specs,
+        load(str(ROOT / "docs" / "examples" / "power-block.yaml")).specs,
     )
     assert pcc == [
         ResourceSpec(
@@ -58,7 +59,7 @@ def test_defaults_and_derived_prefix(tmp_path: Path) -> None:
                 env: {A_B: "1"}
             """,
         )
-    )
+    ).specs
     assert spec.count == 1
     assert spec.socket_prefix == "my-device.v2"
     assert spec.device_nodes == (DeviceNode("/dev/x", "/dev/x", "rw", "char"),)
@@ -159,6 +160,19 @@ def test_bad_files_are_one_line_with_the_key_path(tmp_path: Path, text: str, mes
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match=r"--config .*/absent.yaml: No such file or directory"):
         load(str(tmp_path / "absent.yaml"))
+
+
+def test_the_digest_names_the_bytes_the_resources_were_read_from(tmp_path: Path) -> None:
+    """/metrics and the doctor name what runs by it: a file replaced once it was read (a
+    ConfigMap update while the daemon starts or reloads) must not lend it its hash."""
+    path = Path(write(tmp_path, "resources: [{name: a.example.com/x, mounts: [{hostPath: /a}]}]"))
+    read = path.read_bytes()
+    profile = load(str(path))
+    path.write_text("resources: [{name: b.example.com/y, mounts: [{hostPath: /b}]}]\n")
+    assert profile.digest == hashlib.sha256(read).hexdigest()[:16]
+    assert [spec.name for spec in profile.specs] == ["a.example.com/x"]
+    assert load(str(path)).digest == hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    assert load(str(path)).digest != profile.digest
 
 
 # Input that cost a traceback or seconds before it was bounded: each is refused in one line
@@ -273,7 +287,7 @@ def test_aliases_and_merge_keys_within_the_bounds_load(tmp_path: Path) -> None:
               - {<<: *first, name: b.example.com/y, socketPrefix: y, mounts: [*pcc]}
             """,
         )
-    )
+    ).specs
     assert (first.name, first.count, second.name, second.count) == (
         "a.example.com/x",
         2,
@@ -445,7 +459,7 @@ def test_an_entry_may_opt_in_to_a_sensitive_host_path(tmp_path: Path) -> None:
                     allowSensitiveHostPath: true
             """,
         )
-    )
+    ).specs
     assert spec.device_nodes == (
         DeviceNode("/dev/mem", "/dev/mem", "r", "char", allow_sensitive=True),
         DeviceNode("/dev/vda", "/dev/vda", "rw", "char"),
@@ -485,7 +499,7 @@ def test_paths_are_handed_out_normalised(tmp_path: Path) -> None:
             tmp_path,
             one_entry("mounts", "hostPath: //var/run/./pcc/, containerPath: /pcc/../run/pcc/"),
         )
-    )
+    ).specs
     assert spec.mounts == (HostMount("/var/run/pcc", "/run/pcc"),)
 
 

@@ -37,12 +37,14 @@ async def examine(
     config: Flags,
     specs: Sequence[ResourceSpec],
     report: Callable[[Result], None],
+    config_digest: str = "",
     config_problem: str | None = None,
 ) -> None:
     """Run every check in order and `report` each result as it comes.
 
-    With an invalid --config file (`config_problem`), there are no resources to check, but
-    kubelet and the daemon still can be: it keeps running the configuration it had.
+    With --config, `config_digest` is the hash of the file the resources were read from. With
+    an invalid file (`config_problem`), there are no resources to check, but kubelet and the
+    daemon still can be: it keeps running the configuration it had.
     """
     host_root = config.host_root
     if config.config:
@@ -77,7 +79,11 @@ async def examine(
                 report(skipped(f"plugin {spec.name}", "not checked until kubelet answers"))
     report(await check_readyz(config.metrics_bind_address))
     if config.config:
-        report(await check_config(config.config, config.metrics_bind_address, config_problem))
+        report(
+            await check_config(
+                config.config, config.metrics_bind_address, config_digest, config_problem
+            )
+        )
 
 
 def main(argv: Sequence[str]) -> NoReturn:
@@ -87,23 +93,24 @@ def main(argv: Sequence[str]) -> NoReturn:
         sys.exit(0)
     klog.configure(config.verbosity)
     specs: list[ResourceSpec] = []
+    digest = ""
     config_problem = None
     if config.config:
         from pcc_plugin import profiles
 
         try:
-            specs = profiles.load(config.config)
+            specs, digest = profiles.load(config.config)
         except profiles.ProfileError as exc:
             config_problem = str(exc)
     else:
-        specs = flags.resources(config, PROG)
+        specs, digest = flags.resources(config, PROG)
     results: list[Result] = []
 
     def report(result: Result) -> None:
         results.append(result)
         print(result.line(), flush=True)
 
-    trio.run(examine, config, specs, report, config_problem)
+    trio.run(examine, config, specs, report, digest, config_problem)
     counts = collections.Counter(result.status for result in results)
     print(
         f"{counts['PASS']} passed, {counts['WARN']} warned, {counts['FAIL']} failed, "

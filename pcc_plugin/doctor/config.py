@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import trio
 
-from pcc_plugin.configuration import file_digest
 from pcc_plugin.doctor.http import http_get, loopback
 from pcc_plugin.doctor.report import DAEMON_LOG, Result, failed, passed, skipped, warned
 
@@ -16,9 +14,12 @@ _HASH = re.compile(r'hash="(?P<hash>[^"]*)"')
 _RELOAD_FAILED = re.compile(r"^pcc_device_plugin_config_last_reload_successful 0", re.MULTILINE)
 
 
-async def check_config(config_file: str, bind_address: str, problem: str | None) -> Result:
-    """PASS if the daemon runs the file as it is; WARN if it does not yet; FAIL if the file
-    is invalid (`problem`), which the daemon refuses too, keeping what it runs."""
+async def check_config(
+    config_file: str, bind_address: str, digest: str, problem: str | None
+) -> Result:
+    """PASS if the daemon runs the file as it is (`digest`, the hash of the bytes read); WARN if
+    it does not yet; FAIL if the file is invalid (`problem`), which the daemon refuses too,
+    keeping what it runs."""
     check = "config"
     if problem is not None:
         return failed(
@@ -28,7 +29,6 @@ async def check_config(config_file: str, bind_address: str, problem: str | None)
         )
     if not bind_address:
         return skipped(check, "metrics are off: what the daemon runs cannot be read")
-    digest = file_digest(Path(config_file))
     try:
         status, body = await http_get(*loopback(bind_address), "/metrics")
     except (OSError, trio.TooSlowError, ValueError):
