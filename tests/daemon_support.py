@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+import grpc
 
 from pcc_plugin.sim import Daemon, Registration, SimKubelet, run_blocking
+from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 HEALTHY_16 = {f"pcc-{index}": "Healthy" for index in range(16)}
@@ -49,3 +53,15 @@ KUBELET_GONE = re.compile("takes no connections|Kubelet is not reachable yet")
 
 async def log_line(daemon: Daemon, text: str | re.Pattern[str], count: int = 1) -> str:
     return await run_blocking(daemon.wait_for_log, text, WAIT, count=count)
+
+
+def open_tool_stream(socket_path: Path, timeout: float = WAIT) -> tuple[grpc.Channel, grpc.Future]:
+    """A ListAndWatch stream as a tool would open one; returns once the first list came."""
+    channel = grpc.insecure_channel(f"unix:{socket_path}")
+    stream = channel.unary_stream(
+        "/v1beta1.DevicePlugin/ListAndWatch",
+        request_serializer=pb.Empty.SerializeToString,
+        response_deserializer=pb.ListAndWatchResponse.FromString,
+    )(pb.Empty(), timeout=timeout)
+    next(stream)
+    return channel, stream

@@ -8,15 +8,13 @@ import shutil
 import signal
 import socket
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 import trio
-from daemon_support import HEALTHY_16, RESOURCE, log_line, serving
+from daemon_support import HEALTHY_16, RESOURCE, log_line, open_tool_stream, serving
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
-from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
 ENDPOINT = re.compile(r"pcc-\d+-[0-9a-f]{6}-\d+\.sock")
 
@@ -279,19 +277,12 @@ async def test_a_tool_stream_opened_during_register_is_not_taken_for_kubelets(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
     """Kubelet's stream is the one on the connection that read the options inside Register."""
-    tool: list[tuple[grpc.Channel, Any]] = []
+    tool: list[tuple[grpc.Channel, grpc.Future]] = []
 
-    def open_tool_stream(socket_path: Path) -> None:
-        channel = grpc.insecure_channel(f"unix:{socket_path}")
-        stream = channel.unary_stream(
-            "/v1beta1.DevicePlugin/ListAndWatch",
-            request_serializer=pb.Empty.SerializeToString,
-            response_deserializer=pb.ListAndWatchResponse.FromString,
-        )(pb.Empty(), timeout=30)
-        next(stream)  # open and answered, before kubelet dials back
-        tool.append((channel, stream))
+    def open_before_kubelet_dials(socket_path: Path) -> None:
+        tool.append(open_tool_stream(socket_path, timeout=30))
 
-    kubelet.before_dial = open_tool_stream
+    kubelet.before_dial = open_before_kubelet_dials
     with trio.fail_after(30):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=1))
         await serving(kubelet)

@@ -13,11 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
-from daemon_support import RESOURCE, log_line
+from daemon_support import RESOURCE, log_line, open_tool_stream
 from prometheus_client.parser import text_string_to_metric_families
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
-from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
 # Plain urllib, ignoring any proxy settings of the environment: the daemon is on loopback.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -95,18 +94,6 @@ async def test_livez_and_readyz_follow_kubelet(
         assert "/metrics" in body
 
 
-def _open_list_and_watch(socket_path: Path) -> tuple[grpc.Channel, grpc.Future]:
-    """A second ListAndWatch stream, as a tool would open; returns once the first list came."""
-    channel = grpc.insecure_channel(f"unix:{socket_path}")
-    stream = channel.unary_stream(
-        "/v1beta1.DevicePlugin/ListAndWatch",
-        request_serializer=pb.Empty.SerializeToString,
-        response_deserializer=pb.ListAndWatchResponse.FromString,
-    )(pb.Empty(), timeout=10)
-    next(stream)
-    return channel, stream
-
-
 async def test_metrics_count_what_the_daemon_does(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
@@ -164,7 +151,7 @@ async def test_metrics_count_what_the_daemon_does(
 
         # A tool's stream counts too, and is not taken for kubelet's.
         endpoint = kubelet.registrations[-1].endpoint
-        channel, stream = await run_blocking(_open_list_and_watch, fake_node.plugin_dir / endpoint)
+        channel, stream = await run_blocking(open_tool_stream, fake_node.plugin_dir / endpoint)
         try:
             assert value(await scrape(port), "pcc_device_plugin_list_and_watch_streams") == 2
         finally:
