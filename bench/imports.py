@@ -37,6 +37,8 @@ NOT_BEFORE_REGISTERING = (
     "prometheus_client",
     "importlib.metadata",
     "email",
+    "shutil",
+    "google",
 )
 _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
 # As the daemon starts: betterproto2's version read without importlib.metadata.
