@@ -15,12 +15,17 @@ these pieces of grpclib 0.4 that are not its documented API:
 - to answer a unary call at once, in the call stack that read it: the
   stream's `buffer` (`_eof`, `_acked_size`, and `_unacked`, a queue of (data,
   size, ack_size)), `connection.ack` and `flush`, `connection.write_ready`,
-  and the h2 connection under it (`Stream._h2_connection`).
+  and the h2 connection under it (`Stream._h2_connection`);
+- of that h2 connection, to frame an answer's headers and message here: its
+  queue of bytes to send (`_data_to_send`), `outbound_flow_control_window`,
+  and whether its encoder owes a table size update
+  (`encoder.header_table.resized`).
 
-tests/test_library_contracts.py pins each of them, so that an upgrade of
-grpclib fails there and only there; the last two items are pinned by
-tests/test_grpc_server.py's unary calls that arrive whole, in pieces, and
-with answers larger than the client's window.
+tests/test_library_contracts.py pins the first five, so that an upgrade of
+grpclib fails there and only there; tests/test_grpc_server.py pins the rest
+with unary calls that arrive whole, in pieces, with answers larger than the
+client's window, past its connection's window, and after it shrinks the HPACK
+table.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from pcc_plugin.bridge import call_asyncio
 H2Stream = grpclib.protocol.Stream
 AnswerStream = grpclib.server.Stream[Any, Any]
 CONTENT_TYPE = "application/grpc+proto"
+_ANSWER_HEADERS = [(":status", "200"), ("content-type", CONTENT_TYPE)]
 
 
 class Handler(grpclib.protocol.AbstractHandler):
@@ -212,23 +218,53 @@ def fits(stream: H2Stream, answer: bytes | None) -> bool:
     return len(answer) + 5 <= room
 
 
+# The answer's HEADERS block: `:status: 200` from HPACK's static table, content-type a literal
+# not indexed (its name static index 31). Neither touches either end's dynamic table, so the
+# block is the same bytes on every stream and needs no encoder.
+_ANSWER_HEADER_BLOCK = b"\x88\x0f\x10" + bytes([len(CONTENT_TYPE)]) + CONTENT_TYPE.encode()
+_HEADERS, _DATA = 0x1, 0x0
+_END_HEADERS = 0x4
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big")
+        + bytes((kind, flags))
+        + stream_id.to_bytes(4, "big")
+        + payload
+    )
+
+
 def answer_now(
     stream: H2Stream, status: grpclib.const.Status, message: str | None, answer: bytes | None
 ) -> None:
     """A unary call's whole answer, as grpclib's server stream would send it: headers, the
-    message and trailers, or trailers only for an error. Queued until `flush`."""
+    message and trailers, or trailers only for an error. Queued until `flush`.
+
+    The headers and the message are framed here (h2 spends more on them than the whole call
+    costs elsewhere); the trailers go through h2, which so closes the stream in its own
+    state, and the message's size is taken from the connection's window as h2 would.
+    """
     assert stream.id is not None
     h2_connection = stream._h2_connection
-    headers = [(":status", "200"), ("content-type", CONTENT_TYPE)]
     trailers = [("grpc-status", str(status.value))]
     if message is not None:
         trailers.append(("grpc-message", grpclib.metadata.encode_grpc_message(message)))
     if answer is None:
-        h2_connection.send_headers(stream.id, headers + trailers, end_stream=True)
-    else:
-        h2_connection.send_headers(stream.id, headers)
+        h2_connection.send_headers(stream.id, _ANSWER_HEADERS + trailers, end_stream=True)
+    elif h2_connection.encoder.header_table.resized:
+        # A table size update is owed at the start of the next header block: h2 writes it.
+        h2_connection.send_headers(stream.id, _ANSWER_HEADERS)
         h2_connection.send_data(stream.id, _framed(answer))
         h2_connection.send_headers(stream.id, trailers, end_stream=True)
+    else:
+        queued = len(h2_connection._data_to_send)
+        h2_connection.send_headers(stream.id, trailers, end_stream=True)
+        body = _framed(answer)
+        h2_connection._data_to_send[queued:queued] = _frame(
+            _HEADERS, _END_HEADERS, stream.id, _ANSWER_HEADER_BLOCK
+        ) + _frame(_DATA, 0, stream.id, body)
+        h2_connection.outbound_flow_control_window -= len(body)
 
 
 def flush(stream: H2Stream) -> None:

@@ -12,7 +12,7 @@ import queue
 import socket
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -229,18 +229,26 @@ ONE_SHARE = pb.AllocateRequest(
 
 
 def raw_calls(
-    path: Path, requests: list[bytes], *, pieces: bool = False, window: int | None = None
+    path: Path,
+    requests: list[bytes],
+    *,
+    pieces: bool = False,
+    window: int | None = None,
+    table_size: int | None = None,
 ) -> list[tuple[str, bytes]]:
     """Allocate calls over raw HTTP/2: (grpc-status, answer message) of each, in order.
 
     Every request goes out in one write, or with `pieces` as headers, then the message, then
     the end of the stream, each in a write of its own; `window` is the client's initial
-    stream window (how much of an answer it lets through before it reads).
+    stream window (how much of an answer it lets through before it reads); `table_size`, the
+    HPACK table it lets the server's encoder keep (h2 raises if the server does not shrink it).
     """
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     if window is not None:
         client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+    if table_size is not None:
+        client.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: table_size})
     headers = [
         (":method", "POST"),
         (":scheme", "http"),
@@ -301,3 +309,80 @@ async def test_unary_calls_are_answered_alike_however_they_arrive(
     assert [device.host_path for device in response.devices] == ["/dev/sev-guest"]
     assert second == outcomes[0]
     assert status == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
+
+
+async def test_a_smaller_hpack_table_is_announced_before_the_next_answer(
+    socket_path: Path, host: Path
+) -> None:
+    with trio.fail_after(10):
+        async with serving(socket_path, str(host)):
+            outcomes = await run_blocking(
+                functools.partial(raw_calls, table_size=0), socket_path, [ONE_SHARE] * 3
+            )
+    assert [status for status, _ in outcomes] == ["0"] * 3
+    assert outcomes[1:] == outcomes[:2]
+
+
+def calls_past_the_window(path: Path, count: int) -> tuple[list[str], int]:
+    """`count` Allocate calls, one after another. The client gives no window back until an
+    answer cannot fit in what is left; that call's request goes with a PING, whose ACK, sent
+    after whatever the server answers it, shows the answer held back (h2 raises
+    FlowControlError if it came). Returns each call's grpc-status and how many were held."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", ALLOCATE),
+               (":authority", "localhost"), ("content-type", "application/grpc")]  # fmt: skip
+    statuses: dict[int, str] = {}
+    unacknowledged: dict[int, int] = {}
+    held = 0
+
+    def read_until(done: Callable[[list[h2.events.Event]], bool]) -> None:
+        while True:
+            data = sock.recv(65536)
+            assert data, "the server closed the connection"
+            events = client.receive_data(data)
+            for event in events:
+                if isinstance(event, h2.events.DataReceived):
+                    unacknowledged[event.stream_id] = event.flow_controlled_length
+                elif isinstance(event, h2.events.TrailersReceived):
+                    statuses[event.stream_id] = dict(event.headers)[b"grpc-status"].decode()
+            sock.sendall(client.data_to_send())
+            if done(events):
+                return
+
+    def ping_acknowledged(events: list[h2.events.Event]) -> bool:
+        return any(isinstance(event, h2.events.PingAckReceived) for event in events)
+
+    def answered(stream: int, _: list[h2.events.Event]) -> bool:
+        return stream in statuses
+
+    with connect(path) as sock:
+        for _ in range(count):
+            stream = client.get_next_available_stream_id()
+            client.send_headers(stream, headers)
+            client.send_data(stream, b"\0" + len(ONE_SHARE).to_bytes(4, "big") + ONE_SHARE)
+            client.end_stream(stream)
+            answer = max(unacknowledged.values(), default=0)
+            if answer and 65_535 - sum(unacknowledged.values()) < answer:
+                held += 1
+                client.ping(b"held?...")
+                sock.sendall(client.data_to_send())
+                read_until(ping_acknowledged)
+                assert stream not in statuses
+                for acknowledged, size in unacknowledged.items():
+                    client.acknowledge_received_data(size, acknowledged)
+                unacknowledged.clear()
+            sock.sendall(client.data_to_send())
+            read_until(functools.partial(answered, stream))
+    return list(statuses.values()), held
+
+
+async def test_answers_past_the_clients_window_wait_for_it_and_none_overruns_it(
+    socket_path: Path, host: Path
+) -> None:
+    # About 150 bytes an answer: 1,000 of them are twice the 64 KiB a connection starts with.
+    with trio.fail_after(20):
+        async with serving(socket_path, str(host)):
+            statuses, held = await run_blocking(calls_past_the_window, socket_path, 1000)
+    assert statuses == ["0"] * 1000
+    assert held >= 1  # the window ran out at least once
