@@ -19,13 +19,14 @@ these pieces of grpclib 0.4 that are not its documented API:
 - of that h2 connection, to frame an answer's headers and message here: its
   queue of bytes to send (`_data_to_send`), `outbound_flow_control_window`,
   and whether its encoder owes a table size update
-  (`encoder.header_table.resized`).
+  (`encoder.header_table.resized`); and its `decoder`, replaced by one that
+  remembers repeated header blocks (`H2Protocol.connection._connection`).
 
 tests/test_library_contracts.py pins the first five, so that an upgrade of
 grpclib fails there and only there; tests/test_grpc_server.py pins the rest
 with unary calls that arrive whole, in pieces, with answers larger than the
 client's window, past its connection's window, and after it shrinks the HPACK
-table.
+table, and with header blocks decoded both ways.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import grpclib.protocol
 import grpclib.server
 import h2.config
 import h2.settings
+import hpack
 
 from pcc_plugin.bridge import call_asyncio
 
@@ -81,6 +83,49 @@ _DISPATCH = grpclib.events._DispatchServerEvents()
 _CODEC = PassThroughCodec()
 
 
+# Header blocks a connection's decoder remembers (a client repeats a few, one per method).
+_KNOWN_BLOCKS = 16
+
+
+class _RepeatingDecoder(hpack.Decoder):
+    """HPACK's decoder, remembering what header blocks of indexed fields only decode to.
+
+    A client sends the same header block for every call of a method; once its fields are in
+    the dynamic table, the block is one byte per field, an index with the high bit set. Such
+    a block changes nothing in the table, so it decodes the same until one that is not such
+    (a literal added to the table, a size update) or a new table size changes the table.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._known: dict[tuple[bytes, bool, int], list[Any]] = {}
+
+    def decode(self, data: bytes, raw: bool = False) -> list[Any]:
+        block = bytes(data)
+        # Every byte 0x81 or more: one-byte indices only (an index of 127 or more ends with
+        # a byte below 0x80, index 0 is 0x80 and an error).
+        if not block or min(block) < 0x81:
+            self._known.clear()
+            return list(super().decode(block, raw))
+        key = (block, raw, self.max_header_list_size)
+        headers = self._known.get(key)
+        if headers is None:
+            headers = list(super().decode(block, raw))
+            if len(self._known) >= _KNOWN_BLOCKS:
+                self._known.clear()
+            self._known[key] = headers
+        return list(headers)
+
+    @property
+    def header_table_size(self) -> int:
+        return self.header_table.maxsize
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        self._known.clear()
+        self.header_table.maxsize = value
+
+
 class _Protocol(grpclib.protocol.H2Protocol):
     def __init__(self, handler: Handler, config: Any, h2_config: Any, max_streams: int) -> None:
         super().__init__(handler, config, h2_config)
@@ -89,6 +134,10 @@ class _Protocol(grpclib.protocol.H2Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         super().connection_made(transport)
+        h2_connection = self.connection._connection
+        decoder = _RepeatingDecoder()
+        decoder.max_header_list_size = h2_connection.decoder.max_header_list_size
+        h2_connection.decoder = decoder
         # Sent with the server's first SETTINGS, before any request can arrive.
         self.connection._connection.update_settings(
             {h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._max_streams}

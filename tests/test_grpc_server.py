@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import queue
+import random
 import socket
 import tempfile
 import threading
@@ -21,10 +22,11 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 import pytest
 import trio
 
-from pcc_plugin import bridge, grpc_server
+from pcc_plugin import _grpclib, bridge, grpc_server
 from pcc_plugin.flags import Flags
 from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.registration import KubeletLink
@@ -386,3 +388,29 @@ async def test_answers_past_the_clients_window_wait_for_it_and_none_overruns_it(
             statuses, held = await run_blocking(calls_past_the_window, socket_path, 1000)
     assert statuses == ["0"] * 1000
     assert held >= 1  # the window ran out at least once
+
+
+def test_remembered_header_blocks_decode_as_hpack_decodes_them() -> None:
+    """A client's header blocks, some repeated, some adding to the table or resizing it, decode
+    the same through the remembering decoder as through hpack's, which it must not outgrow."""
+    choose = random.Random(7)
+    encoder = hpack.Encoder()
+    plain, remembering = hpack.Decoder(), _grpclib._RepeatingDecoder()
+    remembered = 0
+    for _ in range(3000):
+        if choose.random() < 0.02:
+            size = choose.choice([0, 128, 4096])
+            encoder.header_table_size = size
+            plain.header_table_size = remembering.header_table_size = size
+        headers = [
+            (":method", "POST"),
+            (":path", choose.choice([ALLOCATE, LIST_AND_WATCH, "/v1beta1.DevicePlugin/x"])),
+            ("content-type", "application/grpc"),
+        ]
+        if choose.random() < 0.1:
+            headers.append(("grpc-timeout", f"{choose.randrange(100)}m"))
+        block = encoder.encode(headers)
+        remembered += block in {key[0] for key in remembering._known}
+        assert remembering.decode(block, raw=True) == list(plain.decode(block, raw=True))
+        assert len(remembering._known) <= _grpclib._KNOWN_BLOCKS
+    assert remembered > 500  # and many blocks came from memory
