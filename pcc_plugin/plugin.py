@@ -176,13 +176,14 @@ class DevicePlugin:
             raise
         self.stats.allocations["ok"] += 1
         grants = [self._grant(devices) for devices in allocated]
-        log.log(
-            V1,
-            "Allocate %s: %s -> %s",
-            self.spec.name,
-            containers,
-            [[node.host_path for node in given.device_nodes] for given in grants],
-        )
+        if log.isEnabledFor(V1):
+            log.log(
+                V1,
+                "Allocate %s: %s -> %s",
+                self.spec.name,
+                containers,
+                [[node.host_path for node in given.device_nodes] for given in grants],
+            )
         return grants
 
     def _grant(self, devices: list[Device]) -> Grant:
