@@ -16,17 +16,20 @@ these pieces of grpclib 0.4 that are not its documented API:
   stream's `buffer` (`_eof`, `_acked_size`, and `_unacked`, a queue of (data,
   size, ack_size)), `connection.ack` and `flush`, `connection.write_ready`,
   and the h2 connection under it (`Stream._h2_connection`);
-- of that h2 connection, to frame an answer's headers and message here: its
-  queue of bytes to send (`_data_to_send`), `outbound_flow_control_window`,
-  and whether its encoder owes a table size update
-  (`encoder.header_table.resized`); and its `decoder`, replaced by one that
-  remembers repeated header blocks (`H2Protocol.connection._connection`).
+- of that h2 connection, to frame a successful answer here: its queue of
+  bytes to send (`_data_to_send`), `outbound_flow_control_window`, whether its
+  encoder owes a table size update (`encoder.header_table.resized`), and the
+  state machines of the connection and of the stream (`state_machine`,
+  `streams[id].state_machine`, fed `ConnectionInputs` and `StreamInputs`);
+  and its `decoder`, replaced by one that remembers repeated header blocks
+  (`H2Protocol.connection._connection`).
 
 tests/test_library_contracts.py pins the first five, so that an upgrade of
 grpclib fails there and only there; tests/test_grpc_server.py pins the rest
 with unary calls that arrive whole, in pieces, with answers larger than the
-client's window, past its connection's window, and after it shrinks the HPACK
-table, and with header blocks decoded both ways.
+client's window, past its connection's window (a thousand calls on one
+connection: more than it may hold open, unless h2 sees each stream end), and
+after it shrinks the HPACK table, and with header blocks decoded both ways.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ import grpclib.metadata
 import grpclib.protocol
 import grpclib.server
 import h2.config
+import h2.connection
 import h2.settings
+import h2.stream
 import hpack
 
 from pcc_plugin.bridge import call_asyncio
@@ -267,12 +272,14 @@ def fits(stream: H2Stream, answer: bytes | None) -> bool:
     return len(answer) + 5 <= room
 
 
-# The answer's HEADERS block: `:status: 200` from HPACK's static table, content-type a literal
-# not indexed (its name static index 31). Neither touches either end's dynamic table, so the
-# block is the same bytes on every stream and needs no encoder.
+# An answer's header blocks: `:status: 200` from HPACK's static table, content-type a literal
+# not indexed (its name static index 31), and trailers of `grpc-status: 0`, a literal not
+# indexed with its name. None touches either end's dynamic table, so each block is the same
+# bytes on every stream and needs no encoder.
 _ANSWER_HEADER_BLOCK = b"\x88\x0f\x10" + bytes([len(CONTENT_TYPE)]) + CONTENT_TYPE.encode()
+_OK_TRAILER_BLOCK = b"\x00\x0bgrpc-status\x010"
 _HEADERS, _DATA = 0x1, 0x0
-_END_HEADERS = 0x4
+_END_STREAM, _END_HEADERS = 0x1, 0x4
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
@@ -290,9 +297,10 @@ def answer_now(
     """A unary call's whole answer, as grpclib's server stream would send it: headers, the
     message and trailers, or trailers only for an error. Queued until `flush`.
 
-    The headers and the message are framed here (h2 spends more on them than the whole call
-    costs elsewhere); the trailers go through h2, which so closes the stream in its own
-    state, and the message's size is taken from the connection's window as h2 would.
+    A successful answer is framed here (h2 spends more on its three frames than the whole
+    call costs elsewhere): h2's connection and stream are moved to the states its
+    send_headers would leave them in, the message's size is taken from the connection's
+    window as its send_data would, and the frames join its queue in their place.
     """
     assert stream.id is not None
     h2_connection = stream._h2_connection
@@ -301,19 +309,28 @@ def answer_now(
         trailers.append(("grpc-message", grpclib.metadata.encode_grpc_message(message)))
     if answer is None:
         h2_connection.send_headers(stream.id, _ANSWER_HEADERS + trailers, end_stream=True)
-    elif h2_connection.encoder.header_table.resized:
-        # A table size update is owed at the start of the next header block: h2 writes it.
+    elif (
+        status is grpclib.const.Status.OK
+        and message is None
+        and not h2_connection.encoder.header_table.resized
+    ):
+        h2_stream = h2_connection.streams[stream.id]
+        h2_connection.state_machine.process_input(h2.connection.ConnectionInputs.SEND_HEADERS)
+        h2_stream.state_machine.process_input(h2.stream.StreamInputs.SEND_HEADERS)
+        h2_stream.state_machine.process_input(h2.stream.StreamInputs.SEND_END_STREAM)
+        body = _framed(answer)
+        h2_connection._data_to_send += (
+            _frame(_HEADERS, _END_HEADERS, stream.id, _ANSWER_HEADER_BLOCK)
+            + _frame(_DATA, 0, stream.id, body)
+            + _frame(_HEADERS, _END_HEADERS | _END_STREAM, stream.id, _OK_TRAILER_BLOCK)
+        )
+        h2_connection.outbound_flow_control_window -= len(body)
+    else:
+        # h2 frames it all; as when it owes a table size update at the start of the next
+        # header block.
         h2_connection.send_headers(stream.id, _ANSWER_HEADERS)
         h2_connection.send_data(stream.id, _framed(answer))
         h2_connection.send_headers(stream.id, trailers, end_stream=True)
-    else:
-        queued = len(h2_connection._data_to_send)
-        h2_connection.send_headers(stream.id, trailers, end_stream=True)
-        body = _framed(answer)
-        h2_connection._data_to_send[queued:queued] = _frame(
-            _HEADERS, _END_HEADERS, stream.id, _ANSWER_HEADER_BLOCK
-        ) + _frame(_DATA, 0, stream.id, body)
-        h2_connection.outbound_flow_control_window -= len(body)
 
 
 def flush(stream: H2Stream) -> None:
