@@ -31,8 +31,8 @@ ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
 LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 WAIT = 30.0
-# What the Containerfile sets for the daemon: no docstrings or asserts in memory.
-IMAGE_ENV = {"PYTHONOPTIMIZE": "2"}
+# What the Containerfile sets for the daemon: no docstrings, asserts or column offsets in memory.
+IMAGE_ENV = {"PYTHONOPTIMIZE": "2", "PYTHONNODEBUGRANGES": "1"}
 # Every module the daemon may import, compiled before any start (the image has them compiled).
 DAEMON_MODULES = "pcc_plugin.main, pcc_plugin.supervisor, pcc_plugin.http_server, h11"
 
@@ -47,7 +47,8 @@ def bytecode_env(cache: Path) -> dict[str, str]:
     for optimize in ("", "2"):
         subprocess.run(
             [sys.executable, "-c", f"import {DAEMON_MODULES}"],
-            check=True, cwd=ROOT, env={**os.environ, **env, "PYTHONOPTIMIZE": optimize},
+            check=True, cwd=ROOT,
+            env={**os.environ, **env, **IMAGE_ENV, "PYTHONOPTIMIZE": optimize},
             timeout=WAIT,
         )  # fmt: skip
     return {**env, **IMAGE_ENV}
