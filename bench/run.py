@@ -58,8 +58,10 @@ def run(args: argparse.Namespace) -> Report:
             imports.import_time_before_registering(bench)
             daemon = scenarios.idle(bench, 3 if quick else args.idle_seconds)
             endpoint = kubelet.registrations[-1].endpoint
-            cpu = scenarios.allocate(bench, daemon.pid, endpoint, 500 if quick else 5000, 50)
-            scenarios.compare_with_grpcio(bench, cpu, 500 if quick else 5000)
+            scenarios.allocate(bench, daemon.pid, endpoint, 500 if quick else 5000, 50)
+            scenarios.compare_with_grpcio(
+                bench, daemon.pid, endpoint, 500 if quick else 5000, 2 if quick else 5
+            )
             scenarios.restarts(bench, daemon, 20 if quick else args.restarts)
             bench.stop(daemon)
             scenarios.list_and_watch(bench, (16, 1000, 10_000), 20, 2 if quick else 5)

@@ -157,8 +157,8 @@ def sequential_allocates(pid: int, method: Any, calls: int) -> tuple[list[float]
     return latencies, busy / 1e9 / calls
 
 
-def allocate(bench: Bench, pid: int, endpoint: str, calls: int, callers: int) -> float:
-    """Allocate round trips, one by one and from `callers` threads; returns CPU per call (s)."""
+def allocate(bench: Bench, pid: int, endpoint: str, calls: int, callers: int) -> None:
+    """Allocate round trips, one by one and from `callers` threads."""
     report = bench.report
     report.section("Allocate round trip, grpcio client, one container request")
     with plugin_channel(bench.socket(endpoint)) as channel:
@@ -214,7 +214,6 @@ def allocate(bench: Bench, pid: int, endpoint: str, calls: int, callers: int) ->
             "calls/s",
             at_least=True,
         )
-    return cpu
 
 
 def restarts(bench: Bench, daemon: Daemon, count: int) -> None:
@@ -329,25 +328,49 @@ def _change_reaches(bench: Bench, law: Callable[..., Any], streams: int) -> floa
             call.cancel()
 
 
-def compare_with_grpcio(bench: Bench, daemon_cpu: float, calls: int) -> None:
-    """The same Allocate answered by a minimal grpcio server, and our CPU as a multiple of it."""
+def compare_with_grpcio(bench: Bench, pid: int, endpoint: str, calls: int, rounds: int) -> None:
+    """The same Allocate answered by a minimal grpcio server, and our CPU as a multiple of it.
+
+    The two are called in alternate rounds, so that the host's drift (other machines' load on a
+    shared one moves these figures by 2x within an hour) falls on both alike.
+    """
     socket_path = bench.node.root / "yardstick.sock"
     server = subprocess.Popen(
         [sys.executable, "-m", "bench.yardstick", str(socket_path)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+    per_round = calls // rounds
+    ours: list[float] = []
+    theirs: list[float] = []
+    latencies: list[float] = []
     try:
         assert server.stdout is not None
         if server.stdout.readline().strip() != "serving":
             raise RuntimeError("the grpcio yardstick did not start")
-        with plugin_channel(socket_path) as channel:
-            latencies, cpu = sequential_allocates(server.pid, allocate_method(channel), calls)
+        with (
+            plugin_channel(bench.socket(endpoint)) as daemon_channel,
+            plugin_channel(socket_path) as yardstick_channel,
+        ):
+            daemon_method = allocate_method(daemon_channel)
+            yardstick_method = allocate_method(yardstick_channel)
+            for _ in range(rounds):
+                ours.append(sequential_allocates(pid, daemon_method, per_round)[1])
+                round_latencies, cpu = sequential_allocates(server.pid, yardstick_method, per_round)
+                theirs.append(cpu)
+                latencies += round_latencies
     finally:
         server.kill()
         server.wait()
-    bench.report.figures["yardstick"] = {"cpu_s": cpu, "sequential_s": latencies}
+    ratios = sorted(daemon / grpcio for daemon, grpcio in zip(ours, theirs, strict=True))
+    bench.report.figures["yardstick"] = {
+        "cpu_s": theirs, "daemon_cpu_s": ours, "sequential_s": latencies,
+    }  # fmt: skip
     bench.report.add(
-        "grpcio server, same calls: CPU per call; p50 / p99",
-        f"{cpu * 1e6:.0f} us; {ms(percentile(latencies, 50))} / {ms(percentile(latencies, 99))} ms",
+        f"grpcio server, same calls ({rounds} rounds alternated with the daemon's): CPU per call",
+        f"{statistics.median(theirs) * 1e6:.0f} us (daemon {statistics.median(ours) * 1e6:.0f} us);"
+        f" p50 / p99 {ms(percentile(latencies, 50))} / {ms(percentile(latencies, 99))} ms",
     )
-    bench.report.add("  daemon CPU per call as a multiple of grpcio's", f"{daemon_cpu / cpu:.2f}x")
+    bench.report.add(
+        "  daemon CPU per call as a multiple of grpcio's",
+        f"{statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}x to {ratios[-1]:.2f}x)",
+    )
