@@ -23,13 +23,15 @@ from pcc_plugin import grpc_clients
 from pcc_plugin.inotify import APPEARED, next_events, open_inotify
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import accepts_connections, is_own_socket
-from pcc_plugin.registration import KubeletLink
+from pcc_plugin.registration import Backoff, KubeletLink
 
 log = logging.getLogger(__name__)
 
-# A followed instance still serving after its stream to us ended (it may have
-# closed an idle-looking connection): follow it again, at most this often.
-REFOLLOW_AFTER = 1.0
+# A followed instance that did not answer while its socket still takes connections
+# (not listening yet, or a killed process whose listener outlives its connections for a
+# moment): follow it again after 20 ms, doubling up to 1 s.
+REFOLLOW_FIRST = 0.02
+REFOLLOW_CAP = 1.0
 SUPERSEDER_GONE = "the instance that registered after this one is gone"
 
 
@@ -69,6 +71,7 @@ async def follow(path: Path, restart: Callable[[str], None]) -> None:
     Register call; failing to when it was leaves the node at 0 allocatable.
     """
     log.log(V1, "Following %s, which registers after this instance", path.name)
+    backoff = Backoff(first=REFOLLOW_FIRST, cap=REFOLLOW_CAP)
     while True:
         alive, how = await grpc_clients.follow_list_and_watch(path)
         if not instance_serves(path):
@@ -77,11 +80,11 @@ async def follow(path: Path, restart: Callable[[str], None]) -> None:
             return
         if not _exists(path):
             return  # it serves on a new socket, which is followed in its turn
-        if not alive:
-            # Not answering yet (it binds before it listens), or refusing us for now.
-            # A killed process's connections may also close a moment before its listener.
+        if alive:
+            backoff.reset()  # it served us, then closed an idle-looking connection
+        else:
             log.log(V1, "Following %s again (%s)", path.name, how)
-            await trio.sleep(REFOLLOW_AFTER)
+            await trio.sleep(backoff.next_delay())
 
 
 def _exists(path: Path) -> bool:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from daemon_support import HEALTHY_16, RESOURCE, WAIT, log_line, serving
 
+from pcc_plugin import grpc_clients, rollout
 from pcc_plugin.sim import FakeNode, SimKubelet, StartDaemon, run_blocking
 
 INSTANCE = re.compile(r"pcc-(\d+-[0-9a-f]{6})-\d+\.sock")
@@ -83,3 +87,32 @@ async def test_a_rolling_update_hands_over_with_one_registration_each(
     assert kubelet.register_calls == (2 if kubelet.key_by == "endpoint" else 3)
     # The new instance never took the old one for a newer one.
     assert "Following" not in new.log_text()
+
+
+async def test_a_followed_instance_that_does_not_answer_is_followed_again_soon_then_less_often(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Refused four times, served once, refused once, then gone: retried after 20 ms doubling
+    (with jitter), at once after it served, and registered again as soon as it is gone."""
+    outcomes = [False, False, False, False, True, False, False]
+    calls: list[float] = []
+
+    async def follow_list_and_watch(path: Path) -> tuple[bool, str]:
+        calls.append(trio.current_time())
+        return outcomes[len(calls) - 1], "refused"
+
+    monkeypatch.setattr(grpc_clients, "follow_list_and_watch", follow_list_and_watch)
+    monkeypatch.setattr(rollout, "instance_serves", lambda path: len(calls) < len(outcomes))
+    monkeypatch.setattr(rollout, "_exists", lambda path: True)
+    restarted: list[str] = []
+    await rollout.follow(tmp_path / "pcc-1-abcdef-0.sock", restarted.append)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(calls)]
+    assert 0.01 <= gaps[0] <= 0.02
+    assert 0.02 <= gaps[1] <= 0.04
+    assert 0.04 <= gaps[2] <= 0.08
+    assert 0.08 <= gaps[3] <= 0.16
+    assert gaps[4] == 0  # it served: followed again at once
+    assert 0.01 <= gaps[5] <= 0.02  # and the backoff starts over
+    assert restarted == [rollout.SUPERSEDER_GONE]
