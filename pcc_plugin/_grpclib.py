@@ -304,13 +304,9 @@ def answer_now(
     """
     assert stream.id is not None
     h2_connection = stream._h2_connection
-    trailers = [("grpc-status", str(status.value))]
-    if message is not None:
-        trailers.append(("grpc-message", grpclib.metadata.encode_grpc_message(message)))
-    if answer is None:
-        h2_connection.send_headers(stream.id, _ANSWER_HEADERS + trailers, end_stream=True)
-    elif (
-        status is grpclib.const.Status.OK
+    if (
+        answer is not None
+        and status is grpclib.const.Status.OK
         and message is None
         and not h2_connection.encoder.header_table.resized
     ):
@@ -325,9 +321,15 @@ def answer_now(
             + _frame(_HEADERS, _END_HEADERS | _END_STREAM, stream.id, _OK_TRAILER_BLOCK)
         )
         h2_connection.outbound_flow_control_window -= len(body)
+        return
+    # Errors, and answers while h2 owes a table size update at the start of the next
+    # header block: h2 frames it all.
+    trailers = [("grpc-status", str(status.value))]
+    if message is not None:
+        trailers.append(("grpc-message", grpclib.metadata.encode_grpc_message(message)))
+    if answer is None:
+        h2_connection.send_headers(stream.id, _ANSWER_HEADERS + trailers, end_stream=True)
     else:
-        # h2 frames it all; as when it owes a table size update at the start of the next
-        # header block.
         h2_connection.send_headers(stream.id, _ANSWER_HEADERS)
         h2_connection.send_data(stream.id, _framed(answer))
         h2_connection.send_headers(stream.id, trailers, end_stream=True)
