@@ -33,7 +33,8 @@ def grpc_frame(payload: bytes, *, compressed: bool = False, length: int | None =
     return struct.pack(">?I", compressed, size) + payload
 
 
-def _headers(path: str, extra: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def request_headers(path: str, extra: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """A gRPC request's headers as grpcio sends them, then `extra`."""
     return [
         (":method", "POST"),
         (":scheme", "http"),
@@ -41,7 +42,7 @@ def _headers(path: str, extra: list[tuple[str, str]]) -> list[tuple[str, str]]:
         (":authority", "localhost"),
         ("content-type", "application/grpc"),
         ("te", "trailers"),
-        *extra,
+        *(extra or []),
     ]
 
 
@@ -63,7 +64,7 @@ def call(
         sock.settimeout(timeout)
         connection.initiate_connection()
         stream_id = connection.get_next_available_stream_id()
-        connection.send_headers(stream_id, _headers(path, headers or []))
+        connection.send_headers(stream_id, request_headers(path, headers))
         sock.sendall(connection.data_to_send())
         # As fast as the server's flow control allows, until it answers (it may refuse early).
         return _send_and_answer(sock, connection, stream_id, body, end_stream)

@@ -25,6 +25,7 @@ import h2.settings
 import hpack
 import pytest
 import trio
+from raw_clients import grpc_frame, request_headers
 
 from pcc_plugin import _grpclib, bridge, grpc_server
 from pcc_plugin.flags import Flags
@@ -251,14 +252,7 @@ def raw_calls(
         client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
     if table_size is not None:
         client.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: table_size})
-    headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", ALLOCATE),
-        (":authority", "localhost"),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ]
+    headers = request_headers(ALLOCATE)
     answers: dict[int, bytes] = {}
     statuses: dict[int, str] = {}
     with connect(path) as sock:
@@ -268,7 +262,7 @@ def raw_calls(
             client.send_headers(stream, headers)
             if pieces:
                 sock.sendall(client.data_to_send())
-            client.send_data(stream, b"\0" + len(request).to_bytes(4, "big") + request)
+            client.send_data(stream, grpc_frame(request))
             if pieces:
                 sock.sendall(client.data_to_send())
             client.end_stream(stream)
@@ -332,8 +326,7 @@ def calls_past_the_window(path: Path, count: int) -> tuple[list[str], int]:
     FlowControlError if it came). Returns each call's grpc-status and how many were held."""
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", ALLOCATE),
-               (":authority", "localhost"), ("content-type", "application/grpc")]  # fmt: skip
+    headers = request_headers(ALLOCATE)
     statuses: dict[int, str] = {}
     unacknowledged: dict[int, int] = {}
     held = 0
@@ -362,7 +355,7 @@ def calls_past_the_window(path: Path, count: int) -> tuple[list[str], int]:
         for _ in range(count):
             stream = client.get_next_available_stream_id()
             client.send_headers(stream, headers)
-            client.send_data(stream, b"\0" + len(ONE_SHARE).to_bytes(4, "big") + ONE_SHARE)
+            client.send_data(stream, grpc_frame(ONE_SHARE))
             client.end_stream(stream)
             answer = max(unacknowledged.values(), default=0)
             if answer and 65_535 - sum(unacknowledged.values()) < answer:
