@@ -283,9 +283,19 @@ async def test_own_socket_deleted_under_every_kind_of_kubelet(
         (fake_node.plugin_dir / first).unlink()
         second = await serving(any_kubelet, registrations=2)
         assert second != first
+        # A kubelet keyed by resource may drop the new client once, if the old stream's end
+        # reaches it after the new registration; the daemon then registers once more. So
+        # the old stream's end is awaited, then serving again, before the call.
+        await run_blocking(
+            any_kubelet.wait_for,
+            lambda: any(
+                event.startswith("ListAndWatch ended") and f"({first})" in event
+                for event in any_kubelet.events
+            ),
+            WAIT,
+        )
+        await serving(any_kubelet, registrations=2)
         assert await allocate_outcome(any_kubelet, [["pcc-1"]]) == grpc.StatusCode.OK
-    # A kubelet keyed by resource may drop the new client once, if the old stream's end
-    # reaches it after the new registration; the daemon then registers once more.
     assert any_kubelet.register_calls <= 3
     assert first not in own_sockets(fake_node)
 
