@@ -5,12 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grpclib.const
+import grpclib.exceptions
 import pytest
 
 from pcc_plugin.flags import Flags
 from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError, encode_listing
+from pcc_plugin.registration import KubeletLink
 from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
-from pcc_plugin.service import encode_allocate_response
+from pcc_plugin.service import DevicePluginService, encode_allocate_response
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.stats import ResourceStats
 
@@ -126,6 +129,50 @@ def test_pre_start_check_looks_at_the_node_again(host: Path) -> None:
         checked.pre_start_container(request)
     with pytest.raises(RequestError, match="unknown device IDs 'nope'"):
         checked.pre_start_container(["nope"])
+
+
+def _ids(*containers: list[str]) -> bytes:
+    return bytes(
+        pb.AllocateRequest(
+            container_requests=[pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
+        ).SerializeToString()
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "request_bytes", "status", "details"),
+    [
+        ("allocate", b"\x0a", "INVALID_ARGUMENT", "cannot decode AllocateRequest: "),
+        ("allocate", _ids(*[[]] * 129), "INVALID_ARGUMENT",
+         "AllocateRequest has more than 128 container requests"),
+        ("allocate", _ids(["pcc-0"] * 17), "INVALID_ARGUMENT",
+         "AllocateRequest names more device IDs than the 16 tke.cloud.tencent.com/pcc-device "
+         "advertises"),
+        ("allocate", _ids(["gpu-0"]), "INVALID_ARGUMENT", "unknown device IDs 'gpu-0'"),
+        ("allocate", _ids(["pcc-0"]), "FAILED_PRECONDITION", "pcc-0 is unhealthy"),
+        ("pre_start_container", b"\x0a", "INVALID_ARGUMENT",
+         "cannot decode PreStartContainerRequest: "),
+        ("pre_start_container", pb.PreStartContainerRequest(devices_ids=["pcc-0"] * 17)
+         .SerializeToString(), "INVALID_ARGUMENT",
+         "PreStartContainerRequest names more device IDs than the 16"),
+        ("pre_start_container", pb.PreStartContainerRequest(devices_ids=["gpu-0"])
+         .SerializeToString(), "INVALID_ARGUMENT", "unknown device IDs 'gpu-0'"),
+        ("pre_start_container", pb.PreStartContainerRequest(devices_ids=["pcc-0"])
+         .SerializeToString(), "FAILED_PRECONDITION", "cannot start the container: detect device"),
+    ],
+)  # fmt: skip
+def test_service_answers_each_refusal_with_its_status(
+    host: Path, method: str, request_bytes: bytes, status: str, details: str
+) -> None:
+    plugin = pcc_plugin(host, pre_start_check=True)
+    (host / "dev" / "sev-guest").unlink()  # pcc-0 unhealthy, for FAILED_PRECONDITION
+    plugin.refresh()
+    service = DevicePluginService(plugin, KubeletLink(plugin.stats))
+    with pytest.raises(grpclib.exceptions.GRPCError) as refused:
+        getattr(service, method)(request_bytes, None)
+    assert refused.value.status is grpclib.const.Status[status]
+    assert refused.value.message is not None
+    assert details in refused.value.message
 
 
 def test_globbed_devices_are_one_device_each_and_stay_listed_when_gone(host: Path) -> None:
