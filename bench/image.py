@@ -93,7 +93,7 @@ def from_image(bench: Bench) -> None:
         )
 
 
-# Starts after the first (whose files come from disk, as on a node pulling the image).
+# Starts after the first, which is the first from the freshly loaded image.
 WARM_STARTS = 5
 ALLOCATE_CALLS = 2000
 
