@@ -4,6 +4,9 @@ In one run, on one daemon: Allocate p50/p99 unloaded, then while (a) 1,000 idle 
 are held to the plugin socket, (b) a client sends 4 MiB messages in a loop, (c) /metrics is
 flooded; and VmRSS during (a) and after. The hostile clients of (b) and (c) run in processes
 of their own (bench.hostile_clients), so that they do not share the timed client's GIL.
+
+Then, on a daemon with 10,000 devices, every bounded input at its bound at once: the peak
+resident memory, which the manifests' memory request and limit are sized by.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from bench import procfs
 from bench.harness import (
+    LIST_AND_WATCH,
     ROOT,
+    WAIT,
     Bench,
     allocate_method,
     metrics_port,
@@ -35,6 +42,14 @@ HOLD_SECONDS = 3.0
 FLOOD_RATE = 250.0
 # The requirement: under a /metrics flood, Allocate p99 within this factor of its unloaded figure.
 FLOOD_P99_FACTOR = 2.0
+# Peak memory: the most devices a resource may have, ListAndWatch streams that stop reading,
+# enough 4 MiB senders to exhaust the large-message budget, health flapping all the while.
+PEAK_DEVICES = 10_000
+STALLED_STREAMS = 20
+LARGE_SENDERS = 4
+FLAP_SECONDS = 0.25
+# The manifests' memory request (manifests/base/daemonset.yaml): the peak must fit in it.
+PEAK_RSS_MIB = 64
 
 
 def _timed_while(method: Any, busy: Callable[[], bool], least: int) -> list[float]:
@@ -120,8 +135,7 @@ def under_hostile_clients(bench: Bench, least: int, seconds: float) -> None:
             fds = procfs.open_fds(daemon.pid)
         finally:
             opener.join()
-            for sock in held:
-                sock.close()
+            _close_all(held)
         # Connections the daemon kept are closed by it for silence; then it is idle again.
         time.sleep(FIRST_REQUEST_TIMEOUT + 1)
         after = procfs.proc_status(daemon.pid)["VmRSS"]
@@ -154,3 +168,70 @@ def under_hostile_clients(bench: Bench, least: int, seconds: float) -> None:
         )
     bench.stop(daemon)
     report.figures["hostile"] = figures
+
+
+def peak_memory(bench: Bench, seconds: float) -> None:
+    """Every input the daemon bounds, at its bound at once, for `seconds`: its VmHWM."""
+    report = bench.report
+    report.section(
+        f"peak memory: every bounded input at its bound at once, {PEAK_DEVICES:,} devices"
+    )
+    daemon, endpoint = bench.start(f"--resource-count={PEAK_DEVICES}", devices=PEAK_DEVICES)
+    port = metrics_port(daemon)
+    path = bench.socket(endpoint)
+    before = procfs.proc_status(daemon.pid)["VmRSS"]
+    held: list[socket.socket] = []
+    opened = threading.Event()
+    opener = threading.Thread(
+        target=_hold_idle_connections, args=(path, IDLE_CONNECTIONS, held, opened)
+    )
+    # The stalled streams get a connection of their own, which their unread lists fill.
+    stalled_channel = grpc.insecure_channel(
+        f"unix:{path}",
+        options=[("grpc.default_authority", "localhost"), ("grpc.use_local_subchannel_pool", 1)],
+    )
+    flaps = allocates = 0
+    with contextlib.ExitStack() as stack, plugin_channel(path) as channel:
+        stack.callback(stalled_channel.close)
+        law = stalled_channel.unary_stream(
+            LIST_AND_WATCH, request_serializer=bytes, response_deserializer=bytes
+        )
+        for stream in [law(b"", timeout=WAIT) for _ in range(STALLED_STREAMS)]:
+            next(stream)  # the first list, then never read again
+        senders = [
+            stack.enter_context(_hostile("large", str(path), str(seconds)))
+            for _ in range(LARGE_SENDERS)
+        ]
+        stack.enter_context(_hostile("metrics", str(port), str(seconds), str(FLOOD_RATE)))
+        opener.start()
+        stack.callback(_close_all, held)
+        stack.callback(opener.join)
+        method = allocate_method(channel)
+        while any(sender.poll() is None for sender in senders):
+            # Each flap sends the 10,000-device list to kubelet's stream and the stalled ones.
+            bench.node.device.unlink()
+            time.sleep(FLAP_SECONDS)
+            bench.node.device.symlink_to("/dev/null")
+            time.sleep(FLAP_SECONDS)
+            flaps += 1
+            allocates += len(timed_allocates(method, 10))
+        peak = procfs.proc_status(daemon.pid)
+    bench.stop(daemon)
+    report.add("VmRSS before / at the end", f"{mib(before)} / {mib(peak['VmRSS'])}")
+    report.check(
+        "peak resident (VmHWM)", mib(peak["VmHWM"]), peak["VmHWM"] / 1024, PEAK_RSS_MIB, "MiB"
+    )
+    report.add(
+        "  meanwhile",
+        f"{flaps} health flaps, {allocates} Allocates answered, {IDLE_CONNECTIONS:,} idle "
+        f"connections, {STALLED_STREAMS} stalled streams, {LARGE_SENDERS} 4 MiB senders, "
+        f"/metrics at {FLOOD_RATE:.0f}/s",
+    )
+    report.figures["peak_memory_kib"] = {
+        "before": before, "end": peak["VmRSS"], "hwm": peak["VmHWM"],
+    }  # fmt: skip
+
+
+def _close_all(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> Report:
             bench.stop(daemon)
             scenarios.list_and_watch(bench, (16, 1000, 10_000), 20, 2 if quick else 5)
             hostile.under_hostile_clients(bench, 100 if quick else 1000, 2 if quick else 5)
+            hostile.peak_memory(bench, 2 if quick else 8)
             rollout.rollouts(bench, 1 if quick else 5)
             if not args.no_image:
                 image.from_image(bench)
