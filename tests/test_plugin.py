@@ -131,7 +131,7 @@ def test_pre_start_check_looks_at_the_node_again(host: Path) -> None:
         checked.pre_start_container(["nope"])
 
 
-def _ids(*containers: list[str]) -> bytes:
+def _allocate_request(*containers: list[str]) -> bytes:
     return bytes(
         pb.AllocateRequest(
             container_requests=[pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
@@ -139,26 +139,30 @@ def _ids(*containers: list[str]) -> bytes:
     )
 
 
+def _pre_start_request(ids: list[str]) -> bytes:
+    return bytes(pb.PreStartContainerRequest(devices_ids=ids).SerializeToString())
+
+
 @pytest.mark.parametrize(
     ("method", "request_bytes", "status", "details"),
     [
         ("allocate", b"\x0a", "INVALID_ARGUMENT", "cannot decode AllocateRequest: "),
-        ("allocate", _ids(*[[]] * 129), "INVALID_ARGUMENT",
+        ("allocate", _allocate_request(*[[]] * 129), "INVALID_ARGUMENT",
          "AllocateRequest has more than 128 container requests"),
-        ("allocate", _ids(["pcc-0"] * 17), "INVALID_ARGUMENT",
+        ("allocate", _allocate_request(["pcc-0"] * 17), "INVALID_ARGUMENT",
          "AllocateRequest names more device IDs than the 16 tke.cloud.tencent.com/pcc-device "
          "advertises"),
-        ("allocate", _ids(["gpu-0"]), "INVALID_ARGUMENT", "unknown device IDs 'gpu-0'"),
-        ("allocate", _ids(["pcc-0"]), "FAILED_PRECONDITION", "pcc-0 is unhealthy"),
+        ("allocate", _allocate_request(["gpu-0"]), "INVALID_ARGUMENT",
+         "unknown device IDs 'gpu-0'"),
+        ("allocate", _allocate_request(["pcc-0"]), "FAILED_PRECONDITION", "pcc-0 is unhealthy"),
         ("pre_start_container", b"\x0a", "INVALID_ARGUMENT",
          "cannot decode PreStartContainerRequest: "),
-        ("pre_start_container", pb.PreStartContainerRequest(devices_ids=["pcc-0"] * 17)
-         .SerializeToString(), "INVALID_ARGUMENT",
+        ("pre_start_container", _pre_start_request(["pcc-0"] * 17), "INVALID_ARGUMENT",
          "PreStartContainerRequest names more device IDs than the 16"),
-        ("pre_start_container", pb.PreStartContainerRequest(devices_ids=["gpu-0"])
-         .SerializeToString(), "INVALID_ARGUMENT", "unknown device IDs 'gpu-0'"),
-        ("pre_start_container", pb.PreStartContainerRequest(devices_ids=["pcc-0"])
-         .SerializeToString(), "FAILED_PRECONDITION", "cannot start the container: detect device"),
+        ("pre_start_container", _pre_start_request(["gpu-0"]), "INVALID_ARGUMENT",
+         "unknown device IDs 'gpu-0'"),
+        ("pre_start_container", _pre_start_request(["pcc-0"]), "FAILED_PRECONDITION",
+         "cannot start the container: detect device"),
     ],
 )  # fmt: skip
 def test_service_answers_each_refusal_with_its_status(
