@@ -27,7 +27,10 @@ Limits (README, "Limits"), each against one way a neighbour can hurt us:
 A unary call whose whole request came in the bytes just read (kubelet's always
 do) is answered at once, in the same callback, with one write: no task, no
 timer, nothing to wait for, so none of the limits above has anything to bound.
-Any other call runs as an asyncio task of its connection.
+When the call's frames are whole in those bytes, its header block one the
+connection sent before (kubelet's Allocate from its third on, grpcio's alike),
+it is answered before h2 and grpclib read them. Any other call runs as an
+asyncio task of its connection.
 """
 
 from __future__ import annotations
@@ -79,10 +82,14 @@ _GRPC_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "
 
 
 class Call:
-    """One gRPC call, as a method sees it: read the request, send answers."""
+    """One gRPC call, as a method sees it: read the request, send answers.
+
+    A unary call answered before grpclib read it has no stream (`stream` None): its method
+    is given the request message and returns the answer.
+    """
 
     def __init__(
-        self, server: Server, connection: Connection, stream: _grpclib.H2Stream, path: str
+        self, server: Server, connection: Connection, stream: _grpclib.H2Stream | None, path: str
     ) -> None:
         self.server = server
         self.connection = connection
@@ -92,6 +99,7 @@ class Call:
 
     async def receive(self) -> bytes:
         """The request message (empty bytes for an absent one), read within the limits above."""
+        assert self._stream is not None
         async with _deadline(RECEIVE_TIMEOUT, "the request did not arrive"):
             prefix = await _grpclib.receive_exactly(self._stream, 5)
             if not prefix:
@@ -101,20 +109,20 @@ class Call:
                 return await _grpclib.receive_exactly(self._stream, size)
 
     async def send(self, payload: bytes) -> None:
-        if self._answer is None:
-            self._answer = _grpclib.answer_stream(
-                self._stream, self.path, self.server.methods[self.path].streaming
-            )
-        await self._answer.send_message(payload)
+        await self._answer_stream().send_message(payload)
 
     async def finish(self, status: Status, message: str | None) -> None:
+        await self._answer_stream().send_trailing_metadata(
+            status=status, status_message=_trailer_message(message)
+        )
+
+    def _answer_stream(self) -> _grpclib.AnswerStream:
+        assert self._stream is not None
         if self._answer is None:
             self._answer = _grpclib.answer_stream(
                 self._stream, self.path, self.server.methods[self.path].streaming
             )
-        await self._answer.send_trailing_metadata(
-            status=status, status_message=_trailer_message(message)
-        )
+        return self._answer
 
 
 def _message_size(prefix: bytes) -> int:
@@ -149,6 +157,8 @@ def _whole_message(body: bytes) -> bytes:
 
 # A unary method answers the request message with the response message, or raises GRPCError.
 Answer = Callable[[bytes, Call], bytes]
+# A unary call's status, its message, and its answer (None unless OK).
+Outcome = tuple[Status, str | None, bytes | None]
 # A server-streaming method reads its request and sends its answers through the Call.
 Stream = Callable[[Call], Awaitable[None]]
 
@@ -223,6 +233,11 @@ class Connection(_grpclib.Handler):
         self.closed = False
         self.protocol: Any = None
         self._arrived: list[tuple[_grpclib.H2Stream, list[tuple[str, str]], Callable[[], Any]]] = []
+        self._answered_at_once = 0
+        # The outcome of a call answered before grpclib read it, when the answer did not fit
+        # the client's windows: grpclib reads the call in the same callback, and it is sent
+        # the way of such answers (`Server.dispatch`), its method not called twice.
+        self._kept: tuple[int, Outcome] | None = None
         self._tasks: dict[_grpclib.H2Stream, asyncio.Task[None]] = {}
         self._changed = trio.Event()
 
@@ -254,6 +269,28 @@ class Connection(_grpclib.Handler):
         self.requests += 1
         self._arrived.append((stream, headers, release_stream))
 
+    def answer_at_once(self, protocol: Any, request: _grpclib.WholeRequest) -> bool:
+        path = request.fields.get(":path", "")
+        method = self.server.methods.get(path)
+        if self.closed or method is None or method.answer is None:
+            return False
+        outcome = self.server.outcome(
+            Call(self.server, self, None, path), request.fields, request.body
+        )
+        status, message, answer = outcome
+        if _grpclib.answer_unread(protocol, request, status, _trailer_message(message), answer):
+            self.requests += 1
+            self._answered_at_once += 1
+            return True
+        self._kept = (request.stream_id, outcome)
+        return False
+
+    def kept_outcome(self, stream_id: int | None) -> Outcome | None:
+        if self._kept is None or self._kept[0] != stream_id:
+            return None
+        outcome, self._kept = self._kept[1], None
+        return outcome
+
     def received(self) -> None:
         """The bytes just read have been processed: dispatch the requests they began."""
         arrived, self._arrived = self._arrived, []
@@ -262,10 +299,12 @@ class Connection(_grpclib.Handler):
                 release_stream()  # reset or gone with its connection: nothing to answer
             else:
                 self.server.dispatch(self, stream, dict(headers), release_stream)
-        if arrived:
-            _grpclib.flush(arrived[0][0])  # the answers given at once, in one write
+        self._kept = None
+        answered = len(arrived) + self._answered_at_once
+        self._answered_at_once = 0
+        if answered:
             self.last_active = trio.current_time()
-            if self.requests == len(arrived):
+            if self.requests == answered:
                 self._notify()  # the first: from now on the idle timeout applies
 
     def start(self, stream: _grpclib.H2Stream, request: Coroutine[Any, Any, None]) -> None:
@@ -488,7 +527,9 @@ class Server:
             return
         call = Call(self, connection, stream, path)
         try:
-            status, message, answer = self._answer_whole(call, fields, body)
+            status, message, answer = connection.kept_outcome(stream.id) or self.outcome(
+                call, fields, body
+            )
             if _grpclib.fits(stream, answer):
                 _grpclib.answer_now(stream, status, _trailer_message(message), answer)
             else:
@@ -518,9 +559,8 @@ class Server:
         finally:
             release_stream()
 
-    def _answer_whole(
-        self, call: Call, fields: Mapping[str, str], body: bytes
-    ) -> tuple[Status, str | None, bytes | None]:
+    def outcome(self, call: Call, fields: Mapping[str, str], body: bytes) -> Outcome:
+        """The outcome of a unary call whose request body is all here."""
         problem = _header_problem(fields, self.methods)
         if problem is not None:
             return *problem, None
@@ -530,7 +570,7 @@ class Server:
             return *_failure(exc), None
         return self._answer(call, data)
 
-    def _answer(self, call: Call, data: bytes) -> tuple[Status, str | None, bytes | None]:
+    def _answer(self, call: Call, data: bytes) -> Outcome:
         """Status, message and answer of a unary method for its request message."""
         answer = self.methods[call.path].answer
         assert answer is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import queue
 import random
 import socket
@@ -16,13 +17,16 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import grpc
 import h2.config
 import h2.connection
 import h2.events
+import h2.frame_buffer
 import h2.settings
 import hpack
+import hyperframe.frame
 import pytest
 import trio
 from raw_clients import grpc_frame, request_headers
@@ -36,6 +40,8 @@ from pcc_plugin.sim import run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.stats import ResourceStats
 
+Frame = hyperframe.frame.Frame
+
 LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
 
 
@@ -46,9 +52,11 @@ def socket_path() -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def serving(socket_path: Path, host_root: str = "") -> AsyncIterator[grpc_server.Server]:
+async def serving(
+    socket_path: Path, host_root: str = "", stats: ResourceStats | None = None
+) -> AsyncIterator[grpc_server.Server]:
     """The PCC resource's service on `socket_path`, until the block ends (then torn down)."""
-    plugin = DevicePlugin(Flags().pcc_resource(), host_root, ResourceStats())
+    plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceStats())
     service = DevicePluginService(plugin, KubeletLink(plugin.stats))
     server = grpc_server.Server(service.methods(), service.on_error)
     async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
@@ -236,13 +244,16 @@ def raw_calls(
     requests: list[bytes],
     *,
     pieces: bool = False,
+    one_by_one: bool = False,
     window: int | None = None,
     table_size: int | None = None,
 ) -> list[tuple[str, bytes]]:
     """Allocate calls over raw HTTP/2: (grpc-status, answer message) of each, in order.
 
     Every request goes out in one write, or with `pieces` as headers, then the message, then
-    the end of the stream, each in a write of its own; `window` is the client's initial
+    the end of the stream, each in a write of its own; `one_by_one`, each request in a write
+    once the previous one is answered (from the third on, the server knows the header block
+    and answers before grpclib reads the request); `window` is the client's initial
     stream window (how much of an answer it lets through before it reads); `table_size`, the
     HPACK table it lets the server's encoder keep (h2 raises if the server does not shrink it).
     """
@@ -262,48 +273,67 @@ def raw_calls(
             client.send_headers(stream, headers)
             if pieces:
                 sock.sendall(client.data_to_send())
+            if one_by_one:  # the stream ended by the DATA frame, as grpcio and grpc-go end it
+                client.send_data(stream, grpc_frame(request), end_stream=True)
+                read_answers(sock, client, answers, statuses)
+                continue
             client.send_data(stream, grpc_frame(request))
             if pieces:
                 sock.sendall(client.data_to_send())
             client.end_stream(stream)
             if pieces:
                 sock.sendall(client.data_to_send())
-        sock.sendall(client.data_to_send())
-        while "" in statuses.values():
-            data = sock.recv(65536)
-            assert data, "the server closed the connection"
-            for event in client.receive_data(data):
-                if isinstance(event, h2.events.DataReceived):
-                    answers[event.stream_id] += event.data
-                    client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                elif isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
-                    for key, value in event.headers:
-                        if key == b"grpc-status":
-                            statuses[event.stream_id] = value.decode()
-            sock.sendall(client.data_to_send())
+        read_answers(sock, client, answers, statuses)
     return [(statuses[stream], answers[stream][5:]) for stream in answers]
 
 
+def read_answers(
+    sock: socket.socket,
+    client: h2.connection.H2Connection,
+    answers: dict[int, bytes],
+    statuses: dict[int, str],
+) -> None:
+    """Send what the client has queued, then read until every stream has its grpc-status."""
+    sock.sendall(client.data_to_send())
+    while "" in statuses.values():
+        data = sock.recv(65536)
+        assert data, "the server closed the connection"
+        for event in client.receive_data(data):
+            if isinstance(event, h2.events.DataReceived):
+                answers[event.stream_id] += event.data
+                client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
+                for key, value in event.headers:
+                    if key == b"grpc-status":
+                        statuses[event.stream_id] = value.decode()
+        sock.sendall(client.data_to_send())
+
+
 @pytest.mark.parametrize(
-    ("pieces", "window"),
-    [(False, None), (True, None), (False, 16)],
-    ids=["whole: at once", "in pieces: as tasks", "larger than the client's window: as a task"],
+    ("pieces", "one_by_one", "window"),
+    [(False, False, None), (True, False, None), (False, True, None), (False, False, 16)],
+    ids=[
+        "whole: at once",
+        "in pieces: as tasks",
+        "one by one: before grpclib reads them",
+        "larger than the client's window: as a task",
+    ],
 )
 async def test_unary_calls_are_answered_alike_however_they_arrive(
-    socket_path: Path, host: Path, pieces: bool, window: int | None
+    socket_path: Path, host: Path, pieces: bool, one_by_one: bool, window: int | None
 ) -> None:
     with trio.fail_after(10):
         async with serving(socket_path, str(host)):
             outcomes = await run_blocking(
-                functools.partial(raw_calls, pieces=pieces, window=window),
+                functools.partial(raw_calls, pieces=pieces, one_by_one=one_by_one, window=window),
                 socket_path,
-                [ONE_SHARE, b"\x0a\x07\x0a\x05pcc-1", b"\x0a\x7f"],
+                [ONE_SHARE, b"\x0a\x07\x0a\x05pcc-1", ONE_SHARE, b"\x0a\x7f"],
             )
-    (ok, message), second, (status, _) = outcomes
+    (ok, message), second, third, (status, _) = outcomes
     assert ok == "0"
     (response,) = pb.AllocateResponse.FromString(message).container_responses
     assert [device.host_path for device in response.devices] == ["/dev/sev-guest"]
-    assert second == outcomes[0]
+    assert second == third == outcomes[0]
     assert status == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])
 
 
@@ -355,8 +385,7 @@ def calls_past_the_window(path: Path, count: int) -> tuple[list[str], int]:
         for _ in range(count):
             stream = client.get_next_available_stream_id()
             client.send_headers(stream, headers)
-            client.send_data(stream, grpc_frame(ONE_SHARE))
-            client.end_stream(stream)
+            client.send_data(stream, grpc_frame(ONE_SHARE), end_stream=True)
             answer = max(unacknowledged.values(), default=0)
             if answer and 65_535 - sum(unacknowledged.values()) < answer:
                 held += 1
@@ -376,11 +405,14 @@ async def test_answers_past_the_clients_window_wait_for_it_and_none_overruns_it(
     socket_path: Path, host: Path
 ) -> None:
     # About 150 bytes an answer: 1,000 of them are twice the 64 KiB a connection starts with.
+    stats = ResourceStats()
     with trio.fail_after(20):
-        async with serving(socket_path, str(host)):
+        async with serving(socket_path, str(host), stats):
             statuses, held = await run_blocking(calls_past_the_window, socket_path, 1000)
     assert statuses == ["0"] * 1000
     assert held >= 1  # the window ran out at least once
+    # A held answer was worked out before grpclib read its call: its method ran once.
+    assert stats.allocations["ok"] == 1000
 
 
 def test_remembered_header_blocks_decode_as_hpack_decodes_them() -> None:
@@ -407,3 +439,199 @@ def test_remembered_header_blocks_decode_as_hpack_decodes_them() -> None:
         assert remembering.decode(block, raw=True) == list(plain.decode(block, raw=True))
         assert len(remembering._known) <= _grpclib._KNOWN_BLOCKS
     assert remembered > 500  # and many blocks came from memory
+
+
+def after_known_calls(
+    path: Path, frames: Callable[[bytes, int], list[Frame]], streams_open: int = 0
+) -> tuple[str, bool]:
+    """Two Allocate calls, after which the server knows the header block of the next, and
+    `streams_open` more begun but not ended; then the frames `frames(block, stream)` makes
+    for the next stream, and a PING, in one write.
+
+    What came of them: the grpc-status the stream was answered with ("reset" if reset, ""
+    if the server closed the connection first), and whether the PING was answered (False:
+    the connection was closed). Read until both came, or the connection's end.
+    """
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    headers = request_headers(ALLOCATE)
+    answers: dict[int, bytes] = {}
+    statuses: dict[int, str] = {}
+    with connect(path) as sock:
+        for _ in range(2):
+            stream = client.get_next_available_stream_id()
+            answers[stream], statuses[stream] = b"", ""
+            client.send_headers(stream, headers)
+            client.send_data(stream, grpc_frame(ONE_SHARE), end_stream=True)
+            read_answers(sock, client, answers, statuses)
+        for _ in range(streams_open):
+            client.send_headers(client.get_next_available_stream_id(), headers)
+        if streams_open:  # read by the server before the crafted frames: a PING answered after
+            client.ping(b"opened!!")
+            sock.sendall(client.data_to_send())
+            while not any(
+                isinstance(event, h2.events.PingAckReceived)
+                for event in client.receive_data(sock.recv(65536))
+            ):
+                pass
+        block = client.encoder.encode(headers)
+        stream = client.get_next_available_stream_id()
+        ping = hyperframe.frame.PingFrame(0, opaque_data=b"crafted!")
+        sock.sendall(b"".join(frame.serialize() for frame in [*frames(block, stream), ping]))
+        # Read past h2's client, which knows nothing of the crafted stream.
+        incoming = h2.frame_buffer.FrameBuffer()
+        incoming.max_frame_size = 16_384
+        status, pinged = "", False
+        while not (status and pinged) and (data := sock.recv(65536)):
+            incoming.add_data(data)
+            for frame in incoming:
+                if isinstance(frame, hyperframe.frame.PingFrame):
+                    pinged = "ACK" in frame.flags
+                elif frame.stream_id != stream:
+                    continue
+                elif isinstance(frame, hyperframe.frame.RstStreamFrame):
+                    status = "reset"
+                elif isinstance(frame, hyperframe.frame.HeadersFrame):
+                    for name, value in client.decoder.decode(frame.data, raw=True):
+                        if name == b"grpc-status":
+                            status = value.decode()
+    return status, pinged
+
+
+def _headers(block: bytes, stream: int, *flags: str) -> hyperframe.frame.HeadersFrame:
+    return hyperframe.frame.HeadersFrame(stream, block, flags=["END_HEADERS", *flags])
+
+
+def _data(stream: int, *flags: str, **fields: int) -> hyperframe.frame.DataFrame:
+    return hyperframe.frame.DataFrame(stream, grpc_frame(ONE_SHARE), flags=flags, **fields)
+
+
+def _window_update(stream: int, increment: int) -> hyperframe.frame.WindowUpdateFrame:
+    return hyperframe.frame.WindowUpdateFrame(stream, window_increment=increment)
+
+
+class Crafted(NamedTuple):
+    frames: Callable[[bytes, int], list[Frame]]  # of the header block and the stream
+    outcome: tuple[str, bool]  # as `after_known_calls` gives it
+    at_once: bool  # answered before grpclib reads it
+
+
+CRAFTED = {
+    "whole": Crafted(
+        lambda block, stream: [_headers(block, stream), _data(stream, "END_STREAM")],
+        ("0", True), at_once=True,
+    ),
+    "whole, a WINDOW_UPDATE of the stream between (grpcio)": Crafted(
+        lambda block, stream: [
+            _headers(block, stream), _window_update(stream, 5), _data(stream, "END_STREAM")
+        ],
+        ("0", True), at_once=True,
+    ),
+    "whole, after a WINDOW_UPDATE and a PING of the connection (grpc-go)": Crafted(
+        lambda block, stream: [
+            _window_update(0, 75), hyperframe.frame.PingFrame(0, opaque_data=b"grpc-go!"),
+            _headers(block, stream), _data(stream, "END_STREAM"),
+        ],
+        ("0", True), at_once=True,
+    ),
+    # Answered before h2 reads the rest, which it reads as it would after any answer.
+    "whole, then WINDOW_UPDATEs of the connection and the stream, and its reset": Crafted(
+        lambda block, stream: [
+            _headers(block, stream), _data(stream, "END_STREAM"), _window_update(0, 75),
+            _window_update(stream, 5), hyperframe.frame.RstStreamFrame(stream, error_code=8),
+        ],
+        ("0", True), at_once=True,
+    ),
+    "padded": Crafted(
+        lambda block, stream: [
+            _headers(block, stream), _data(stream, "END_STREAM", "PADDED", pad_length=3)
+        ],
+        ("0", True), at_once=False,
+    ),
+    "with priority": Crafted(
+        lambda block, stream: [_headers(block, stream, "PRIORITY"), _data(stream, "END_STREAM")],
+        ("0", True), at_once=False,
+    ),
+    "headers continued": Crafted(
+        lambda block, stream: [
+            hyperframe.frame.HeadersFrame(stream, block[:2]),
+            hyperframe.frame.ContinuationFrame(stream, block[2:], flags=["END_HEADERS"]),
+            _data(stream, "END_STREAM"),
+        ],
+        ("0", True), at_once=False,
+    ),
+    "ended by an empty DATA": Crafted(
+        lambda block, stream: [
+            _headers(block, stream), _data(stream),
+            hyperframe.frame.DataFrame(stream, flags=["END_STREAM"]),
+        ],
+        ("0", True), at_once=False,
+    ),
+    "an even stream": Crafted(
+        lambda block, stream: [_headers(block, stream + 1), _data(stream + 1, "END_STREAM")],
+        ("", False), at_once=False,
+    ),
+    "a stream used before": Crafted(
+        lambda block, stream: [_headers(block, stream - 2), _data(stream - 2, "END_STREAM")],
+        ("", False), at_once=False,
+    ),
+    "DATA of another stream": Crafted(
+        lambda block, stream: [_headers(block, stream), _data(stream + 2, "END_STREAM")],
+        ("", False), at_once=False,
+    ),
+    "a zero window increment": Crafted(
+        lambda block, stream: [
+            _headers(block, stream), _window_update(stream, 0), _data(stream, "END_STREAM")
+        ],
+        ("", False), at_once=False,
+    ),
+    "a window past 2**31 - 1": Crafted(
+        lambda block, stream: [
+            _headers(block, stream), _window_update(stream, 2**31 - 1),
+            _data(stream, "END_STREAM"),
+        ],
+        ("reset", True), at_once=False,
+    ),
+    "DATA past the frame size": Crafted(
+        lambda block, stream: [
+            _headers(block, stream),
+            hyperframe.frame.DataFrame(stream, b"\0" * 16_385, flags=["END_STREAM"]),
+        ],
+        ("", False), at_once=False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("crafted", [*CRAFTED, "past the stream limit"])
+async def test_a_call_is_answered_before_grpclib_reads_it_only_as_h2_would_read_it(
+    socket_path: Path,
+    host: Path,
+    crafted: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Calls in one read with a known header block are answered without h2's reading; any
+    that h2 would read otherwise, or refuse, h2 reads (the outcomes are h2's, and no error
+    of ours is logged)."""
+    streams_open = 0
+    if crafted == "past the stream limit":
+        streams_open = grpc_server.MAX_STREAMS_PER_CONNECTION
+        expected = CRAFTED["whole"]._replace(outcome=("", False), at_once=False)
+    else:
+        expected = CRAFTED[crafted]
+    answered_at_once: list[bool] = []
+    answer_at_once = grpc_server.Connection.answer_at_once
+
+    def spy(connection: grpc_server.Connection, *request: Any) -> bool:
+        answered_at_once.append(answer_at_once(connection, *request))
+        return answered_at_once[-1]
+
+    monkeypatch.setattr(grpc_server.Connection, "answer_at_once", spy)
+    with trio.fail_after(10):
+        async with serving(socket_path, str(host)):
+            outcome = await run_blocking(
+                after_known_calls, socket_path, expected.frames, streams_open
+            )
+    assert outcome == expected.outcome
+    assert any(answered_at_once) == expected.at_once
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]

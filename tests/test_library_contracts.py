@@ -58,6 +58,9 @@ async def test_an_accepted_connection_runs_grpclib_and_counts_its_streams() -> N
         def close(self) -> None:
             pass
 
+        def answer_at_once(self, protocol: object, request: object) -> bool:
+            return False
+
         def received(self) -> None:
             pass
 
