@@ -288,6 +288,9 @@ async def test_a_tool_stream_opened_during_register_is_not_taken_for_kubelets(
         await serving(kubelet)
         kubelet.before_dial = None
         ((channel, stream),) = tool
+        # The daemon logs each stream before answering on it, but its log reaches us through
+        # a pipe and a reader thread, which may be behind what kubelet has seen.
+        await run_blocking(lambda: daemon.wait_for_log("stream opened on", count=2))
         opened = [line for line in daemon.log_text().splitlines() if "stream opened on" in line]
         assert len(opened) == 2
         assert "(kubelet's)" not in opened[0]
@@ -297,6 +300,7 @@ async def test_a_tool_stream_opened_during_register_is_not_taken_for_kubelets(
         channel.close()
         await run_blocking(kubelet.drop_stream, RESOURCE)
         await serving(kubelet, registrations=2)
+        await run_blocking(daemon.wait_for_log, "stream ended; registering again")
     assert kubelet.register_calls == 2
     assert len(lines_containing(daemon, "stream ended; registering again")) == 1
 
