@@ -224,6 +224,11 @@ def _request_start(h2_connection: h2.connection.H2Connection, data: bytes) -> in
     buffer = h2_connection.incoming_buffer
     if buffer._data or buffer._preamble_len:
         return 0
+    return _first_headers(data)
+
+
+def _first_headers(data: bytes) -> int:
+    """Where the first HEADERS frame begins, past whole frames; 0 if none does."""
     at = 0
     while at + 9 <= len(data) and data[at + 3] != _HEADERS:
         at += 9 + int.from_bytes(data[at : at + 3], "big")

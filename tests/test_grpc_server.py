@@ -29,6 +29,8 @@ import hpack
 import hyperframe.frame
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from raw_clients import grpc_frame, request_headers
 
 from pcc_plugin import _grpclib, bridge, grpc_server
@@ -635,3 +637,48 @@ async def test_a_call_is_answered_before_grpclib_reads_it_only_as_h2_would_read_
     assert outcome == expected.outcome
     assert any(answered_at_once) == expected.at_once
     assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+def _frame_bytes(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+    )
+
+
+@st.composite
+def frame_bytes(draw: st.DrawFn) -> bytes:
+    """A call's frames (HEADERS ending the headers, WINDOW_UPDATEs of its stream, DATA ending
+    it) and what follows, or any few frames; then maybe one byte changed, maybe cut short."""
+    stream = draw(st.sampled_from([1, 3, 2**31 + 1]))
+    if draw(st.booleans()):
+        frames = _frame_bytes(0x1, 0x4, stream, draw(st.binary(max_size=20)))
+        for _ in range(draw(st.integers(0, 2))):
+            frames += _frame_bytes(0x8, 0x0, stream, draw(st.binary(min_size=4, max_size=4)))
+        frames += _frame_bytes(0x0, 0x1, stream, draw(st.binary(max_size=20)))
+    else:
+        frames = b""
+    for _ in range(draw(st.integers(0, 3))):
+        kind, flags = draw(st.tuples(st.integers(0, 255), st.integers(0, 255)))
+        frames += _frame_bytes(
+            kind, flags, draw(st.integers(0, 2**32 - 1)), draw(st.binary(max_size=20))
+        )
+    if frames and draw(st.booleans()):
+        at = draw(st.integers(0, len(frames) - 1))
+        frames = frames[:at] + bytes((draw(st.integers(0, 255)),)) + frames[at + 1 :]
+    return frames[: draw(st.integers(0, len(frames)))] if draw(st.booleans()) else frames
+
+
+@settings(max_examples=300, deadline=None)
+@given(frame_bytes())
+def test_frames_read_before_h2_are_whole_and_inside_what_came(data: bytes) -> None:
+    """Whatever came, the frames of a call are found only whole, within the bytes, or not at all."""
+    start = _grpclib._first_headers(data)
+    assert start == 0 or (start + 9 <= len(data) and data[start + 3] == 0x1)
+    frames = _grpclib._request_frames(data)
+    if frames is not None:
+        stream_id, block, window_increment, body, size = frames
+        assert 0 < size <= len(data)
+        assert data[9 : 9 + len(block)] == block
+        assert data[size - len(body) : size] == body
+        assert 0 <= stream_id < 2**31
+        assert window_increment >= 0
