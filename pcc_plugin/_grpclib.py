@@ -286,11 +286,11 @@ def _request_frames(data: bytes) -> tuple[int, bytes, int, bytes, int] | None:
     block = data[9:at]
     window_increment = 0
     while data[at + 3 : at + 4] == _WINDOW_UPDATE_TYPE:
-        increment = int.from_bytes(data[at + 9 : at + 13], "big") & _STREAM_ID_BITS
+        increment = int.from_bytes(data[at + 9 : at + 13], "big")
         if data[at : at + 3] != _WINDOW_UPDATE_SIZE or _stream_of(data, at) != stream_id:
             return None
-        if not increment:
-            return None  # a protocol error, h2's to answer
+        if not 1 <= increment <= _MAX_WINDOW:
+            return None  # a protocol error (the reserved bit counts here), h2's to answer
         window_increment += increment
         at += 13
     end = at + 9 + int.from_bytes(data[at : at + 3], "big")

@@ -444,7 +444,7 @@ def test_remembered_header_blocks_decode_as_hpack_decodes_them() -> None:
 
 
 def after_known_calls(
-    path: Path, frames: Callable[[bytes, int], list[Frame]], streams_open: int = 0
+    path: Path, frames: Callable[[bytes, int], list[Frame | bytes]], streams_open: int = 0
 ) -> tuple[str, bool]:
     """Two Allocate calls, after which the server knows the header block of the next, and
     `streams_open` more begun but not ended; then the frames `frames(block, stream)` makes
@@ -479,7 +479,12 @@ def after_known_calls(
         block = client.encoder.encode(headers)
         stream = client.get_next_available_stream_id()
         ping = hyperframe.frame.PingFrame(0, opaque_data=b"crafted!")
-        sock.sendall(b"".join(frame.serialize() for frame in [*frames(block, stream), ping]))
+        sock.sendall(
+            b"".join(
+                frame if isinstance(frame, bytes) else frame.serialize()
+                for frame in [*frames(block, stream), ping]
+            )
+        )
         # Read past h2's client, which knows nothing of the crafted stream.
         incoming = h2.frame_buffer.FrameBuffer()
         incoming.max_frame_size = 16_384
@@ -508,12 +513,18 @@ def _data(stream: int, *flags: str, **fields: int) -> hyperframe.frame.DataFrame
     return hyperframe.frame.DataFrame(stream, grpc_frame(ONE_SHARE), flags=flags, **fields)
 
 
+def _frame_bytes(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+    )
+
+
 def _window_update(stream: int, increment: int) -> hyperframe.frame.WindowUpdateFrame:
     return hyperframe.frame.WindowUpdateFrame(stream, window_increment=increment)
 
 
 class Crafted(NamedTuple):
-    frames: Callable[[bytes, int], list[Frame]]  # of the header block and the stream
+    frames: Callable[[bytes, int], list[Frame | bytes]]  # of the header block and the stream
     outcome: tuple[str, bool]  # as `after_known_calls` gives it
     at_once: bool  # answered before grpclib reads it
 
@@ -587,6 +598,13 @@ CRAFTED = {
         ],
         ("", False), at_once=False,
     ),
+    "a window increment with the reserved bit set": Crafted(
+        lambda block, stream: [
+            _headers(block, stream), _frame_bytes(0x8, 0x0, stream, (2**31 + 5).to_bytes(4, "big")),
+            _data(stream, "END_STREAM"),
+        ],
+        ("", False), at_once=False,
+    ),
     "a window past 2**31 - 1": Crafted(
         lambda block, stream: [
             _headers(block, stream), _window_update(stream, 2**31 - 1),
@@ -637,12 +655,6 @@ async def test_a_call_is_answered_before_grpclib_reads_it_only_as_h2_would_read_
     assert outcome == expected.outcome
     assert any(answered_at_once) == expected.at_once
     assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
-
-
-def _frame_bytes(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return (
-        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-    )
 
 
 @st.composite
