@@ -523,6 +523,11 @@ def _window_update(stream: int, increment: int) -> hyperframe.frame.WindowUpdate
     return hyperframe.frame.WindowUpdateFrame(stream, window_increment=increment)
 
 
+def _call(block: bytes, stream: int, *between: Frame | bytes) -> list[Frame | bytes]:
+    """A call's HEADERS, then `between`, then its DATA ending the stream."""
+    return [_headers(block, stream), *between, _data(stream, "END_STREAM")]
+
+
 class Crafted(NamedTuple):
     frames: Callable[[bytes, int], list[Frame | bytes]]  # of the header block and the stream
     outcome: tuple[str, bool]  # as `after_known_calls` gives it
@@ -530,27 +535,22 @@ class Crafted(NamedTuple):
 
 
 CRAFTED = {
-    "whole": Crafted(
-        lambda block, stream: [_headers(block, stream), _data(stream, "END_STREAM")],
-        ("0", True), at_once=True,
-    ),
+    "whole": Crafted(_call, ("0", True), at_once=True),
     "whole, a WINDOW_UPDATE of the stream between (grpcio)": Crafted(
-        lambda block, stream: [
-            _headers(block, stream), _window_update(stream, 5), _data(stream, "END_STREAM")
-        ],
+        lambda block, stream: _call(block, stream, _window_update(stream, 5)),
         ("0", True), at_once=True,
     ),
     "whole, after a WINDOW_UPDATE and a PING of the connection (grpc-go)": Crafted(
         lambda block, stream: [
             _window_update(0, 75), hyperframe.frame.PingFrame(0, opaque_data=b"grpc-go!"),
-            _headers(block, stream), _data(stream, "END_STREAM"),
+            *_call(block, stream),
         ],
         ("0", True), at_once=True,
     ),
     # Answered before h2 reads the rest, which it reads as it would after any answer.
     "whole, then WINDOW_UPDATEs of the connection and the stream, and its reset": Crafted(
         lambda block, stream: [
-            _headers(block, stream), _data(stream, "END_STREAM"), _window_update(0, 75),
+            *_call(block, stream), _window_update(0, 75),
             _window_update(stream, 5), hyperframe.frame.RstStreamFrame(stream, error_code=8),
         ],
         ("0", True), at_once=True,
@@ -581,35 +581,27 @@ CRAFTED = {
         ("0", True), at_once=False,
     ),
     "an even stream": Crafted(
-        lambda block, stream: [_headers(block, stream + 1), _data(stream + 1, "END_STREAM")],
-        ("", False), at_once=False,
+        lambda block, stream: _call(block, stream + 1), ("", False), at_once=False
     ),
     "a stream used before": Crafted(
-        lambda block, stream: [_headers(block, stream - 2), _data(stream - 2, "END_STREAM")],
-        ("", False), at_once=False,
+        lambda block, stream: _call(block, stream - 2), ("", False), at_once=False
     ),
     "DATA of another stream": Crafted(
         lambda block, stream: [_headers(block, stream), _data(stream + 2, "END_STREAM")],
         ("", False), at_once=False,
     ),
     "a zero window increment": Crafted(
-        lambda block, stream: [
-            _headers(block, stream), _window_update(stream, 0), _data(stream, "END_STREAM")
-        ],
+        lambda block, stream: _call(block, stream, _window_update(stream, 0)),
         ("", False), at_once=False,
     ),
     "a window increment with the reserved bit set": Crafted(
-        lambda block, stream: [
-            _headers(block, stream), _frame_bytes(0x8, 0x0, stream, (2**31 + 5).to_bytes(4, "big")),
-            _data(stream, "END_STREAM"),
-        ],
+        lambda block, stream: _call(
+            block, stream, _frame_bytes(0x8, 0x0, stream, (2**31 + 5).to_bytes(4, "big"))
+        ),
         ("", False), at_once=False,
     ),
     "a window past 2**31 - 1": Crafted(
-        lambda block, stream: [
-            _headers(block, stream), _window_update(stream, 2**31 - 1),
-            _data(stream, "END_STREAM"),
-        ],
+        lambda block, stream: _call(block, stream, _window_update(stream, 2**31 - 1)),
         ("reset", True), at_once=False,
     ),
     "DATA past the frame size": Crafted(
