@@ -437,8 +437,9 @@ _ANSWER_HEADER_BLOCK = b"\x88\x0f\x10" + bytes([len(CONTENT_TYPE)]) + CONTENT_TY
 _OK_TRAILER_BLOCK = b"\x00\x0bgrpc-status\x010"
 _HEADERS, _DATA = 0x1, 0x0
 _END_STREAM, _END_HEADERS = 0x1, 0x4
-# A request's two frames: type and flags of each (no padding, no priority), and the stream
-# ID's bits (the top one is reserved, and ignored).
+# A request's frames: type and flags of its HEADERS and DATA (no padding, no priority), type
+# and size of a WINDOW_UPDATE; the stream ID's bits (the top one is reserved, and ignored in
+# an ID, not in a window increment); the largest window.
 _HEADERS_NOT_ENDING = bytes((_HEADERS, _END_HEADERS))
 _DATA_ENDING = bytes((_DATA, _END_STREAM))
 _WINDOW_UPDATE_TYPE, _WINDOW_UPDATE_SIZE = b"\x08", b"\0\0\4"
