@@ -72,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     with glibc_sonames():
         import trio
 
+        _betterproto2.load()
         from pcc_plugin import supervisor
     from pcc_plugin.errors import FatalError
 

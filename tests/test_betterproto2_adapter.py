@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+import typing
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -29,15 +32,33 @@ def test_the_version_is_the_one_importlib_metadata_finds() -> None:
     assert _betterproto2.installed_version() == version("betterproto2")
 
 
-def test_the_generated_code_imports_without_importlib_metadata() -> None:
+def test_the_generated_code_imports_without_importlib_metadata_or_typing_extensions() -> None:
     output = _in_fresh_interpreter(
-        "import sys\n"
+        "import sys, typing\n"
         "from pcc_plugin import _betterproto2\n"
         "_betterproto2.install()\n"
+        "_betterproto2.load()\n"
         "import betterproto2, pcc_plugin._proto.v1beta1\n"
-        "print(betterproto2.__version__, 'importlib.metadata' in sys.modules)\n"
+        "print(betterproto2.__version__, 'importlib.metadata' in sys.modules,\n"
+        "      'typing_extensions' in sys.modules, betterproto2.Self is typing.Self)\n"
     )
-    assert output == f"{version('betterproto2')} False"
+    assert output == f"{version('betterproto2')} False False True"
+
+
+def test_betterproto2_takes_from_typing_extensions_only_what_is_typings_own() -> None:
+    import betterproto2
+    import typing_extensions
+
+    taken = set()
+    for path in Path(betterproto2.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                assert "typing_extensions" not in {alias.name for alias in node.names}, path
+            elif isinstance(node, ast.ImportFrom) and node.module == "typing_extensions":
+                taken |= {alias.name for alias in node.names}
+    assert taken == {"Self"}
+    for name in taken:
+        assert getattr(typing_extensions, name) is getattr(typing, name)
 
 
 def test_the_check_is_betterproto2s_rule() -> None:
