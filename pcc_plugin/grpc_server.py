@@ -41,7 +41,6 @@ import errno
 import itertools
 import logging
 import os
-import secrets
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
@@ -682,7 +681,7 @@ def bind(path: Path) -> tuple[socket.socket, Identity]:
     once. Raises OSError (PermissionError, FileNotFoundError, ...); nothing is
     left open or behind on failure.
     """
-    staged = path.with_name(f".{secrets.token_hex(4)}{STAGED_SUFFIX}")
+    staged = path.with_name(f".{os.urandom(4).hex()}{STAGED_SUFFIX}")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         listener.setblocking(False)

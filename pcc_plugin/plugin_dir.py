@@ -11,7 +11,6 @@ import itertools
 import logging
 import os
 import re
-import secrets
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +35,7 @@ class SocketNames:
     """
 
     def __init__(self, prefix: str) -> None:
-        self.stem = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.stem = f"{prefix}-{os.getpid()}-{os.urandom(3).hex()}"
         self._counter = itertools.count()
 
     def __next__(self) -> str:

@@ -1,0 +1,88 @@
+"""What pcc_plugin._first_use relies on in trio, pinned: an upgrade that reads hmac at
+import fails here; and the stand-in gives the real module at its first use."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+# Fresh interpreters: in this one trio and hmac are imported already.
+TRIO_IMPORTED = """
+import json, sys
+from pcc_plugin._first_use import StandIn, loaded_at_first_use
+with loaded_at_first_use("hmac"):
+    import trio
+before = {
+    "stand_in": isinstance(trio._dtls.hmac, StandIn),
+    "imported": sorted(m for m in ("hmac", "hashlib", "_hashlib") if m in sys.modules),
+}
+same = trio._dtls.hmac.compare_digest(b"cookie", b"cookie")
+import hmac
+print(json.dumps({
+    "before": before,
+    "first use": same,
+    "hmac is real": hasattr(hmac, "HMAC") and not isinstance(hmac, StandIn),
+    "imported": sorted(m for m in ("hmac", "hashlib") if m in sys.modules),
+}))
+"""
+READ_WITHIN = """
+import json, sys
+from pcc_plugin._first_use import StandIn, loaded_at_first_use
+with loaded_at_first_use("colorsys"):
+    import colorsys as early
+    hsv = early.rgb_to_hsv(1.0, 0.0, 0.0)
+    import colorsys as later
+print(json.dumps({
+    "hsv": hsv,
+    "later is real": not isinstance(later, StandIn),
+    "in sys.modules": sys.modules["colorsys"] is later,
+}))
+"""
+ALREADY_IMPORTED = """
+import colorsys, json, sys
+from pcc_plugin._first_use import loaded_at_first_use
+with loaded_at_first_use("colorsys"):
+    import colorsys as within
+print(json.dumps(within is colorsys))
+"""
+NEVER_USED = """
+import json, sys
+from pcc_plugin._first_use import loaded_at_first_use
+with loaded_at_first_use("colorsys"):
+    import colorsys
+print(json.dumps("colorsys" in sys.modules))
+"""
+
+
+def _run(source: str) -> Any:
+    output = subprocess.run(
+        [sys.executable, "-c", source], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    return json.loads(output)
+
+
+def test_trio_reads_nothing_of_hmac_at_import_and_gets_the_real_one_at_first_use() -> None:
+    assert _run(TRIO_IMPORTED) == {
+        "before": {"stand_in": True, "imported": []},
+        "first use": True,
+        "hmac is real": True,
+        "imported": ["hashlib", "hmac"],
+    }
+
+
+def test_a_read_within_imports_the_real_module_for_later_imports_too() -> None:
+    assert _run(READ_WITHIN) == {
+        "hsv": [0.0, 1.0, 1.0],
+        "later is real": True,
+        "in sys.modules": True,
+    }
+
+
+def test_a_module_imported_already_is_left_alone() -> None:
+    assert _run(ALREADY_IMPORTED) is True
+
+
+def test_a_stand_in_never_read_leaves_no_module_behind() -> None:
+    assert _run(NEVER_USED) is False
