@@ -40,6 +40,7 @@ NOT_BEFORE_REGISTERING = (
     "shutil",
     "google",
     "typing_extensions",
+    "json",
     "hmac",
     "hashlib",
 )

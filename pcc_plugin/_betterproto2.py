@@ -12,7 +12,8 @@ it, and the same check.
 betterproto2 also takes one name from typing_extensions, `Self`, which on
 Python 3.11 and later typing_extensions takes from typing. The rest of
 typing_extensions is 0.3 MiB of every node's memory and about 3 ms of every
-start: `load()` imports betterproto2 with `typing` in its place.
+start: `load()` imports betterproto2 with `typing` in its place, and json, which
+only betterproto2's JSON methods use, loaded at their first use (0.1 MiB, 2 ms).
 tests/test_betterproto2_adapter.py pins all of this against betterproto2.
 """
 
@@ -23,6 +24,8 @@ import sys
 import types
 import typing
 from collections.abc import Callable
+
+from pcc_plugin._first_use import loaded_at_first_use
 
 DISTRIBUTION = "betterproto2"
 MODULE = "betterproto2._version"
@@ -75,11 +78,12 @@ def install() -> None:
 
 
 def load() -> None:
-    """Import betterproto2 (after `install`), `typing` standing in for typing_extensions."""
+    """Import betterproto2 (after `install`): typing_extensions and json as the module says."""
     if "betterproto2" in sys.modules or "typing_extensions" in sys.modules:
         return
     sys.modules["typing_extensions"] = typing
     try:
-        import betterproto2  # noqa: F401
+        with loaded_at_first_use("json"):
+            import betterproto2  # noqa: F401
     finally:
         del sys.modules["typing_extensions"]

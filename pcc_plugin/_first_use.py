@@ -6,7 +6,8 @@ every digest it has: about 5 ms of every start, and 0.5 MiB of libcrypto's
 pages resident for good. Within `loaded_at_first_use("hmac")`, `import hmac`
 gives a stand-in, and the first attribute read from it imports the real
 module, so that trio's DTLS would still work. tests/test_first_use.py pins
-that trio reads nothing of hmac at import.
+that trio reads nothing of hmac at import; `_betterproto2.load` does the same
+for betterproto2's json.
 """
 
 from __future__ import annotations

@@ -32,17 +32,23 @@ def test_the_version_is_the_one_importlib_metadata_finds() -> None:
     assert _betterproto2.installed_version() == version("betterproto2")
 
 
-def test_the_generated_code_imports_without_importlib_metadata_or_typing_extensions() -> None:
+def test_the_generated_code_imports_without_importlib_metadata_typing_extensions_or_json() -> None:
     output = _in_fresh_interpreter(
         "import sys, typing\n"
         "from pcc_plugin import _betterproto2\n"
         "_betterproto2.install()\n"
         "_betterproto2.load()\n"
-        "import betterproto2, pcc_plugin._proto.v1beta1\n"
+        "import betterproto2\n"
+        "from pcc_plugin._proto import v1beta1\n"
         "print(betterproto2.__version__, 'importlib.metadata' in sys.modules,\n"
-        "      'typing_extensions' in sys.modules, betterproto2.Self is typing.Self)\n"
+        "      'typing_extensions' in sys.modules, betterproto2.Self is typing.Self,\n"
+        "      'json' in sys.modules)\n"
+        "print(v1beta1.Device(id='a', health='Healthy').to_json(), 'json' in sys.modules)\n"
     )
-    assert output == f"{version('betterproto2')} False False True"
+    assert output.splitlines() == [
+        f"{version('betterproto2')} False False True False",
+        '{"id": "a", "health": "Healthy"} True',
+    ]
 
 
 def test_betterproto2_takes_from_typing_extensions_only_what_is_typings_own() -> None:
