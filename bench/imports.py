@@ -43,15 +43,17 @@ NOT_BEFORE_REGISTERING = (
     "json",
     "hmac",
     "hashlib",
+    "idna",
 )
 _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
 # As the daemon starts (pcc_plugin.main): betterproto2's version read without
-# importlib.metadata; the imports with trio's library lookups answered and its hmac loaded
-# at first use; betterproto2 imported before the daemon's modules that use it.
+# importlib.metadata; the imports with trio's library lookups answered and what it does not
+# need loaded at first use; betterproto2 imported before the daemon's modules that use it.
 _PRELUDE = (
     "from pcc_plugin import _betterproto2, _first_use, _library_lookups\n"
     "_betterproto2.install()\n"
-    "with _library_lookups.glibc_sonames(), _first_use.loaded_at_first_use('hmac'):\n"
+    "with _library_lookups.glibc_sonames(), "
+    "_first_use.loaded_at_first_use(*_first_use.TRIO_UNUSED):\n"
     "    pass\n"
 )
 _LOAD = "    _betterproto2.load()\n"

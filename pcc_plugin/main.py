@@ -67,10 +67,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             sys.exit(1)
     raise_open_file_limit()
     # Imported only now: `--help` and usage errors stay fast.
-    from pcc_plugin._first_use import loaded_at_first_use
+    from pcc_plugin._first_use import TRIO_UNUSED, loaded_at_first_use
     from pcc_plugin._library_lookups import glibc_sonames
 
-    with glibc_sonames(), loaded_at_first_use("hmac"):
+    with glibc_sonames(), loaded_at_first_use(*TRIO_UNUSED):
         import trio
 
         _betterproto2.load()

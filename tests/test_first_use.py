@@ -1,5 +1,5 @@
-"""What pcc_plugin._first_use relies on in trio, pinned: an upgrade that reads hmac at
-import fails here; and the stand-in gives the real module at its first use."""
+"""What pcc_plugin._first_use relies on in trio, pinned: an upgrade that reads hmac or idna
+at import fails here; and a stand-in gives the real module at its first use."""
 
 from __future__ import annotations
 
@@ -11,20 +11,24 @@ from typing import Any
 # Fresh interpreters: in this one trio and hmac are imported already.
 TRIO_IMPORTED = """
 import json, sys
-from pcc_plugin._first_use import StandIn, loaded_at_first_use
-with loaded_at_first_use("hmac"):
+from pcc_plugin._first_use import TRIO_UNUSED, StandIn, loaded_at_first_use
+with loaded_at_first_use(*TRIO_UNUSED):
     import trio
+MODULES = ("hmac", "hashlib", "_hashlib", "idna")
 before = {
-    "stand_in": isinstance(trio._dtls.hmac, StandIn),
-    "imported": sorted(m for m in ("hmac", "hashlib", "_hashlib") if m in sys.modules),
+    "stand-ins": [isinstance(trio._dtls.hmac, StandIn), isinstance(trio._socket._idna, StandIn)],
+    "imported": sorted(m for m in MODULES if m in sys.modules),
 }
-same = trio._dtls.hmac.compare_digest(b"cookie", b"cookie")
-import hmac
+first_use = [
+    trio._dtls.hmac.compare_digest(b"cookie", b"cookie"),
+    trio._socket._idna.encode("b\\u00fccher.example", uts46=True).decode(),
+]
+import hmac, idna
 print(json.dumps({
     "before": before,
-    "first use": same,
-    "hmac is real": hasattr(hmac, "HMAC") and not isinstance(hmac, StandIn),
-    "imported": sorted(m for m in ("hmac", "hashlib") if m in sys.modules),
+    "first use": first_use,
+    "real now": not isinstance(hmac, StandIn) and not isinstance(idna, StandIn),
+    "imported": sorted(m for m in MODULES if m in sys.modules),
 }))
 """
 READ_WITHIN = """
@@ -63,12 +67,12 @@ def _run(source: str) -> Any:
     return json.loads(output)
 
 
-def test_trio_reads_nothing_of_hmac_at_import_and_gets_the_real_one_at_first_use() -> None:
+def test_trio_reads_nothing_of_hmac_or_idna_at_import_and_gets_them_at_first_use() -> None:
     assert _run(TRIO_IMPORTED) == {
-        "before": {"stand_in": True, "imported": []},
-        "first use": True,
-        "hmac is real": True,
-        "imported": ["hashlib", "hmac"],
+        "before": {"stand-ins": [True, True], "imported": []},
+        "first use": [True, "xn--bcher-kva.example"],
+        "real now": True,
+        "imported": ["_hashlib", "hashlib", "hmac", "idna"],
     }
 
 

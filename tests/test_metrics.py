@@ -257,8 +257,9 @@ async def test_registering_imports_only_what_it_needs_and_metrics_only_when_on(
     # None is needed to register: h11 comes with the first HTTP request, the version
     # lookup's importlib.metadata never; shutil (with zlib, bz2 and lzma) was argparse's way
     # to the terminal's width, google.rpc grpclib's look for status details,
-    # typing_extensions betterproto2's way to typing's `Self`, json its JSON methods', and
-    # hmac (with hashlib and OpenSSL's digests) trio's for DTLS cookies.
+    # typing_extensions betterproto2's way to typing's `Self`, json its JSON methods', hmac
+    # (with hashlib and OpenSSL's digests) trio's for DTLS cookies, idna for host names
+    # beyond ASCII.
     assert not imported & {
         "h11",
         "importlib.metadata",
@@ -269,6 +270,7 @@ async def test_registering_imports_only_what_it_needs_and_metrics_only_when_on(
         "json",
         "hmac",
         "hashlib",
+        "idna",
     }
     if bind_address:
         assert "pcc_plugin.http_server" in imported
