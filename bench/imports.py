@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from bench.harness import ROOT, WAIT, Bench
 from bench.report import Report, mib
+from pcc_plugin.sim import unneeded_imports
 
 # Imported cumulatively in this order, each step in a fresh interpreter: roughly the order in
 # which `python -m pcc_plugin` imports them. A step lists modules separated by commas.
@@ -26,24 +27,6 @@ IMPORT_STEPS: tuple[tuple[str, str], ...] = (
     ("rest of the daemon (pcc_plugin.supervisor)", "pcc_plugin.main,pcc_plugin.supervisor"),
     ("pcc_plugin.http_server (metrics on)", "pcc_plugin.http_server"),
     ("h11 (at the first HTTP request)", "h11"),
-)
-# Never needed to register: each would cost start time and memory if imported before.
-NOT_BEFORE_REGISTERING = (
-    "pcc_plugin.doctor",
-    "pcc_plugin.sim",
-    "pcc_plugin.profiles",
-    "yaml",
-    "h11",
-    "prometheus_client",
-    "importlib.metadata",
-    "email",
-    "shutil",
-    "google",
-    "typing_extensions",
-    "json",
-    "hmac",
-    "hashlib",
-    "idna",
 )
 _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
 # As the daemon starts (pcc_plugin.main): betterproto2's version read without
@@ -87,7 +70,7 @@ def import_time_before_registering(bench: Bench) -> None:
     report.add("modules imported / their import time", f"{len(modules)} / {total / 1000:.0f} ms")
     for package, micros in by_package.most_common(8):
         report.add(f"  {package}", f"{micros / 1000:.1f} ms")
-    found = [name for name in NOT_BEFORE_REGISTERING if _imported(name, modules)]
+    found = unneeded_imports(modules)
     report.add("imported before registering, not needed for it", ", ".join(found) or "none")
 
 
@@ -96,10 +79,6 @@ def _package(module: str) -> str:
         return "pcc_plugin (ours, with generated code)"
     top = module.split(".")[0]
     return "stdlib and other" if top.startswith("_") or top in sys.stdlib_module_names else top
-
-
-def _imported(name: str, modules: set[str]) -> bool:
-    return any(module == name or module.startswith(name + ".") for module in modules)
 
 
 def import_rss(modules: Sequence[str], runs: int, env: dict[str, str]) -> float:

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 import typing
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from fresh_interpreter import output_of
 
 from pcc_plugin import _betterproto2
 
 
-def _in_fresh_interpreter(source: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-c", source], capture_output=True, text=True, check=True, timeout=60
-    ).stdout.strip()
-
-
 def test_the_stand_in_has_what_betterproto2_imports_from_its_own_module() -> None:
-    names = _in_fresh_interpreter(
+    names = output_of(
         "import betterproto2._version as v; "
         "print(' '.join(sorted(n for n in vars(v) if not n.startswith('_') or n == '__version__')))"
     ).split()
@@ -33,7 +26,7 @@ def test_the_version_is_the_one_importlib_metadata_finds() -> None:
 
 
 def test_the_generated_code_imports_without_importlib_metadata_typing_extensions_or_json() -> None:
-    output = _in_fresh_interpreter(
+    output = output_of(
         "import sys, typing\n"
         "from pcc_plugin import _betterproto2\n"
         "_betterproto2.install()\n"

@@ -3,10 +3,7 @@ at import fails here; and a stand-in gives the real module at its first use."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from typing import Any
+from fresh_interpreter import json_of
 
 # Fresh interpreters: in this one trio and hmac are imported already.
 TRIO_IMPORTED = """
@@ -60,15 +57,8 @@ print(json.dumps("colorsys" in sys.modules))
 """
 
 
-def _run(source: str) -> Any:
-    output = subprocess.run(
-        [sys.executable, "-c", source], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    return json.loads(output)
-
-
 def test_trio_reads_nothing_of_hmac_or_idna_at_import_and_gets_them_at_first_use() -> None:
-    assert _run(TRIO_IMPORTED) == {
+    assert json_of(TRIO_IMPORTED) == {
         "before": {"stand-ins": [True, True], "imported": []},
         "first use": [True, "xn--bcher-kva.example"],
         "real now": True,
@@ -77,7 +67,7 @@ def test_trio_reads_nothing_of_hmac_or_idna_at_import_and_gets_them_at_first_use
 
 
 def test_a_read_within_imports_the_real_module_for_later_imports_too() -> None:
-    assert _run(READ_WITHIN) == {
+    assert json_of(READ_WITHIN) == {
         "hsv": [0.0, 1.0, 1.0],
         "later is real": True,
         "in sys.modules": True,
@@ -85,8 +75,8 @@ def test_a_read_within_imports_the_real_module_for_later_imports_too() -> None:
 
 
 def test_a_module_imported_already_is_left_alone() -> None:
-    assert _run(ALREADY_IMPORTED) is True
+    assert json_of(ALREADY_IMPORTED) is True
 
 
 def test_a_stand_in_never_read_leaves_no_module_behind() -> None:
-    assert _run(NEVER_USED) is False
+    assert json_of(NEVER_USED) is False

@@ -4,10 +4,8 @@ that looks up other libraries at import, or none, fails here."""
 from __future__ import annotations
 
 import ctypes.util
-import json
-import subprocess
-import sys
-from typing import Any
+
+from fresh_interpreter import json_of
 
 from pcc_plugin import _library_lookups
 
@@ -38,15 +36,8 @@ print(json.dumps({
 """
 
 
-def _run(source: str) -> Any:
-    output = subprocess.run(
-        [sys.executable, "-c", source], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    return json.loads(output)
-
-
 def test_trio_and_asyncinotify_ask_only_for_glibcs_own_libraries() -> None:
-    assert set(_run(ASKED)) == set(_library_lookups.GLIBC_SONAMES)
+    assert set(json_of(ASKED)) == set(_library_lookups.GLIBC_SONAMES)
 
 
 def test_the_answers_are_what_ldconfig_says() -> None:
@@ -55,7 +46,7 @@ def test_the_answers_are_what_ldconfig_says() -> None:
 
 
 def test_the_imports_find_their_libraries_and_the_real_module_comes_back() -> None:
-    assert _run(DAEMON_IMPORTS) == {
+    assert json_of(DAEMON_IMPORTS) == {
         "libc": "libc.so.6",
         "thread_names": True,
         "ctypes.util is real": True,

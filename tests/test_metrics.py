@@ -16,7 +16,14 @@ import trio
 from daemon_support import RESOURCE, log_line, open_tool_stream
 from prometheus_client.parser import text_string_to_metric_families
 
-from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
+from pcc_plugin.sim import (
+    Daemon,
+    FakeNode,
+    SimKubelet,
+    StartDaemon,
+    run_blocking,
+    unneeded_imports,
+)
 
 # Plain urllib, ignoring any proxy settings of the environment: the daemon is on loopback.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -254,24 +261,7 @@ async def test_registering_imports_only_what_it_needs_and_metrics_only_when_on(
         }
         assert "trio" in imported
         listeners = tcp_sockets(daemon.pid)
-    # None is needed to register: h11 comes with the first HTTP request, the version
-    # lookup's importlib.metadata never; shutil (with zlib, bz2 and lzma) was argparse's way
-    # to the terminal's width, google.rpc grpclib's look for status details,
-    # typing_extensions betterproto2's way to typing's `Self`, json its JSON methods', hmac
-    # (with hashlib and OpenSSL's digests) trio's for DTLS cookies, idna for host names
-    # beyond ASCII.
-    assert not imported & {
-        "h11",
-        "importlib.metadata",
-        "prometheus_client",
-        "shutil",
-        "google",
-        "typing_extensions",
-        "json",
-        "hmac",
-        "hashlib",
-        "idna",
-    }
+    assert unneeded_imports(imported) == []
     if bind_address:
         assert "pcc_plugin.http_server" in imported
         assert [state for _, state in listeners] == ["0A"]

@@ -13,9 +13,43 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Protocol
+
+# Never needed to register, each kept out for its reason: other commands and options (the
+# doctor, the simulator, profiles, YAML); the first HTTP request (h11); betterproto2's
+# version (importlib.metadata, email), its `Self` and its JSON methods (typing_extensions,
+# json: pcc_plugin._betterproto2); argparse's terminal width (shutil); grpclib's status
+# details (google); trio's DTLS cookies and host names beyond ASCII (hmac, hashlib, idna:
+# pcc_plugin._first_use); and prometheus_client, a dependency no more.
+NOT_NEEDED_TO_REGISTER = (
+    "pcc_plugin.doctor",
+    "pcc_plugin.sim",
+    "pcc_plugin.profiles",
+    "yaml",
+    "h11",
+    "importlib.metadata",
+    "email",
+    "typing_extensions",
+    "json",
+    "shutil",
+    "google",
+    "hmac",
+    "hashlib",
+    "idna",
+    "prometheus_client",
+)
+
+
+def unneeded_imports(modules: Iterable[str]) -> list[str]:
+    """The entries of NOT_NEEDED_TO_REGISTER among `modules`, or a submodule of them."""
+    present = set(modules)
+    return [
+        name
+        for name in NOT_NEEDED_TO_REGISTER
+        if any(module == name or module.startswith(name + ".") for module in present)
+    ]
 
 
 class Daemon:
