@@ -22,7 +22,8 @@ from typing import IO, Protocol
 # version (importlib.metadata, email), its `Self` and its JSON methods (typing_extensions,
 # json: pcc_plugin._betterproto2); argparse's terminal width (shutil); grpclib's status
 # details (google); trio's DTLS cookies and host names beyond ASCII (hmac, hashlib, idna:
-# pcc_plugin._first_use); and prometheus_client, a dependency no more.
+# pcc_plugin._first_use; `secrets` imports hmac too, hence `os.urandom` for our random
+# names); and prometheus_client, a dependency no more.
 NOT_NEEDED_TO_REGISTER = (
     "pcc_plugin.doctor",
     "pcc_plugin.sim",
