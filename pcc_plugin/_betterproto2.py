@@ -78,7 +78,11 @@ def install() -> None:
 
 
 def load() -> None:
-    """Import betterproto2 (after `install`): typing_extensions and json as the module says."""
+    """Import betterproto2 (after `install`), typing_extensions and json as the module says.
+
+    Nothing if typing_extensions is imported already: betterproto2 then comes, as it would,
+    with the first module that needs it.
+    """
     if "betterproto2" in sys.modules or "typing_extensions" in sys.modules:
         return
     sys.modules["typing_extensions"] = typing
