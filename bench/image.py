@@ -15,16 +15,30 @@ import json
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from bench.harness import ROOT, Bench, accepted, allocate_method, metrics_port, plugin_channel
+from bench.harness import (
+    ROOT,
+    Bench,
+    accepted,
+    allocate_method,
+    metrics_port,
+    plugin_channel,
+    seconds_to_exit,
+)
+from bench.imports import STACK_AS_THE_DAEMON_IMPORTS_IT
 from bench.report import ms
-from bench.scenarios import memory_rows, scrape, sequential_allocates
+from bench.scenarios import (
+    memory_rows,
+    report_stack,
+    report_start,
+    scrape,
+    sequential_allocates,
+)
 from pcc_plugin.sim import Daemon
 
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
@@ -60,10 +74,10 @@ def _image_rootfs() -> Iterator[tuple[dict[str, Any], Path]]:
                            capture_output=True, check=False)  # fmt: skip
 
 
-def _argv(config: dict[str, Any], rootfs: Path, args: list[str]) -> list[str]:
+def _argv(config: dict[str, Any], rootfs: Path, command: Sequence[str]) -> list[str]:
+    """`command` run in the image's root filesystem with exactly the image's environment."""
     root = shlex.quote(str(rootfs))
-    entry = ["env", "-i", *config.get("Env", []), "chroot", str(rootfs),
-             *config["Entrypoint"], *args]  # fmt: skip
+    entry = ["env", "-i", *config.get("Env", []), "chroot", str(rootfs), *command]
     script = "\n".join(
         [
             "set -eu",
@@ -76,25 +90,33 @@ def _argv(config: dict[str, Any], rootfs: Path, args: list[str]) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
 
 
+def unavailable() -> str | None:
+    """Why the image's daemon cannot be measured here, or None."""
+    if not ARCHIVE.exists():
+        return "no image archive: run `nox -s image` first"
+    if os.geteuid() != 0 or shutil.which("podman") is None:
+        return "needs root and podman"
+    return None
+
+
 def from_image(bench: Bench) -> None:
     report = bench.report
     report.section(f"the daemon from the image ({ARCHIVE.relative_to(ROOT)}), as a node runs it")
-    if not ARCHIVE.exists():
-        report.add("not measured", "no image archive: run `nox -s image` first")
-        return
-    if os.geteuid() != 0 or shutil.which("podman") is None:
-        report.add("not measured", "needs root and podman")
+    reason = unavailable()
+    if reason:
+        report.add("not measured", reason)
         return
     try:
         _measure(bench)
     except subprocess.CalledProcessError as exc:
-        report.add(
-            "not measured", f"podman failed: {' '.join(exc.cmd[:3])}: {exc.stderr.strip()[:80]}"
+        report.not_measured(
+            "start -> registered (the image's)",
+            f"podman failed: {' '.join(exc.cmd[:3])}: {exc.stderr.strip()[:80]}",
         )
 
 
 # Starts after the first, which is the first from the freshly loaded image.
-WARM_STARTS = 5
+WARM_STARTS = 10
 ALLOCATE_CALLS = 2000
 
 
@@ -107,7 +129,7 @@ def _running(
     bench.logs += 1
     started = time.monotonic()
     daemon = Daemon(
-        _argv(config, rootfs, bench.node.daemon_args(verbosity=0)),
+        _argv(config, rootfs, [*config["Entrypoint"], *bench.node.daemon_args(verbosity=0)]),
         bench.node.root / f"image-{bench.logs}.log",
     )
     try:
@@ -144,22 +166,27 @@ def _measure(bench: Bench) -> None:
 
 def _warm(bench: Bench, config: dict[str, Any], rootfs: Path) -> None:
     """Start and Allocate's CPU as a node pays them: the image's interpreter (Debian's, built
-    otherwise than the development one) and bytecode. Figures only: the targets are checked
-    on the development venv's, above."""
-    starts = []
+    otherwise than the development one) and bytecode. The start target is judged here, on what
+    nodes run; each start is followed by the stack imported alone by the image's interpreter.
+    The CPU target is judged on the development venv's, beside the grpcio yardstick."""
+    python = str(PurePosixPath(config["Entrypoint"][0]).with_name("python"))
+    stack_alone = _argv(config, rootfs, [python, "-c", STACK_AS_THE_DAEMON_IMPORTS_IT])
+    starts, stack = [], []
     for _ in range(WARM_STARTS - 1):
         with _running(bench, config, rootfs) as (_, took, _):
             starts.append(took)
+        stack.append(seconds_to_exit(stack_alone, {}))
     with _running(bench, config, rootfs) as (daemon, took, endpoint):
         starts.append(took)
         with plugin_channel(bench.socket(endpoint)) as channel:
             _, cpu = sequential_allocates(daemon.pid, allocate_method(channel), ALLOCATE_CALLS)
-    bench.report.add(
-        f"start -> registered, median of {WARM_STARTS} more",
-        f"{ms(statistics.median(starts))} ms (min {ms(min(starts))}, max {ms(max(starts))})",
-    )
+    stack.append(seconds_to_exit(stack_alone, {}))
+    report_start(bench.report, f"start -> registered, median of {WARM_STARTS} more", starts,
+                 judged=True)  # fmt: skip
+    report_stack(bench.report, stack, starts)
     bench.report.add(
         f"daemon CPU per Allocate, {ALLOCATE_CALLS} sequential calls", f"{cpu * 1e6:.0f} us"
     )
     bench.report.figures["image_start_s"] = starts
+    bench.report.figures["image_stack_imports_s"] = stack
     bench.report.figures["image_allocate_cpu_s"] = cpu

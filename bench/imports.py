@@ -40,6 +40,18 @@ _PRELUDE = (
     "    pass\n"
 )
 _LOAD = "    _betterproto2.load()\n"
+# The daemon's stack imported as the daemon imports it, and none of our other modules: beside
+# the daemon's start, what is left is what our own code and the registration add. It exits
+# as soon as imported: a daemon's start is timed to its registration, not to a finalized exit.
+STACK_AS_THE_DAEMON_IMPORTS_IT = (
+    _PRELUDE.removesuffix("    pass\n")
+    + "    import trio\n"
+    + _LOAD
+    + "    import attrs, asyncinotify, betterproto2.grpclib, grpclib.client, grpclib.server\n"
+    + "    import trio_asyncio\n"
+    + "import os\n"
+    + "os._exit(0)\n"
+)
 _REPORT_RSS = (
     "for _line in open('/proc/self/status'):\n"
     "    if _line.startswith('VmRSS:'):\n"

@@ -61,6 +61,11 @@ class Report:
         target = f"{'>=' if at_least else '<='} {limit:g} {unit}"
         self.rows.append(Row(figure, value, target, "PASS" if met else "MISS"))
 
+    def not_measured(self, figure: str, reason: str) -> None:
+        """A target that could not be judged counts as missed."""
+        self.misses.append(figure)
+        self.rows.append(Row(figure, f"not measured: {reason}", "", "MISS"))
+
     def render(self, header: Sequence[str]) -> str:
         rows = [row for row in self.rows if isinstance(row, Row)]
         widths = [

@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> Report:
         env = bytecode_env(node.root / "pycache")
         with contextlib.ExitStack() as cleanup, SimKubelet(node.plugin_dir) as kubelet:
             bench = Bench(node, kubelet, cleanup, report, env)
-            scenarios.start_to_registered(bench, 3 if quick else 10)
+            # Judged on the image's daemon when it can be measured: that is what nodes run.
+            judged_here = args.no_image or image.unavailable() is not None
+            scenarios.start_to_registered(bench, 3 if quick else 10, judged=judged_here)
             imports.import_time_before_registering(bench)
             daemon = scenarios.idle(bench, 3 if quick else args.idle_seconds)
             endpoint = kubelet.registrations[-1].endpoint
