@@ -314,7 +314,7 @@ def e2e(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The real daemon against the simulated kubelet: one table of figures, PASS/MISS per target.
 
-    About two minutes on 2 cores; BENCHMARKS.md records a run. Arguments go to bench/run.py
+    2 to 3 minutes on 2 cores; BENCHMARKS.md records a run. Arguments go to bench/run.py
     (--quick, --json PATH, --strict).
     """
     install_dev(session)
