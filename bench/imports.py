@@ -29,29 +29,31 @@ IMPORT_STEPS: tuple[tuple[str, str], ...] = (
     ("h11 (at the first HTTP request)", "h11"),
 )
 _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
-# As the daemon starts (pcc_plugin.main): betterproto2's version read without
-# importlib.metadata; the imports with trio's library lookups answered and what it does not
-# need loaded at first use; betterproto2 imported before the daemon's modules that use it.
-_PRELUDE = (
-    "from pcc_plugin import _betterproto2, _first_use, _library_lookups\n"
-    "_betterproto2.install()\n"
-    "with _library_lookups.glibc_sonames(), "
-    "_first_use.loaded_at_first_use(*_first_use.TRIO_UNUSED):\n"
-    "    pass\n"
-)
-_LOAD = "    _betterproto2.load()\n"
+
+
+def _as_the_daemon_imports(modules: Sequence[str]) -> str:
+    """Source that imports `modules` as the daemon starts (pcc_plugin.main): betterproto2's
+    version read without importlib.metadata; the imports with trio's library lookups answered
+    and what it does not need loaded at first use; betterproto2 loaded before the first module
+    that uses it."""
+    imports = [f"    import {module}\n" for module in modules]
+    users = [i for i, m in enumerate(modules) if m.startswith(("pcc_plugin", "betterproto2"))]
+    if users:
+        imports.insert(users[0], "    _betterproto2.load()\n")
+    return (
+        "from pcc_plugin import _betterproto2, _first_use, _library_lookups\n"
+        "_betterproto2.install()\n"
+        "with _library_lookups.glibc_sonames(), "
+        "_first_use.loaded_at_first_use(*_first_use.TRIO_UNUSED):\n"
+    ) + "".join(imports or ["    pass\n"])
+
+
 # The daemon's stack imported as the daemon imports it, and none of our other modules: beside
 # the daemon's start, what is left is what our own code and the registration add. It exits
 # as soon as imported: a daemon's start is timed to its registration, not to a finalized exit.
-STACK_AS_THE_DAEMON_IMPORTS_IT = (
-    _PRELUDE.removesuffix("    pass\n")
-    + "    import trio\n"
-    + _LOAD
-    + "    import attrs, asyncinotify, betterproto2.grpclib, grpclib.client, grpclib.server\n"
-    + "    import trio_asyncio\n"
-    + "import os\n"
-    + "os._exit(0)\n"
-)
+_STACK = ("trio", "betterproto2.grpclib", "attrs", "asyncinotify", "grpclib.client",
+          "grpclib.server", "trio_asyncio")  # fmt: skip
+STACK_AS_THE_DAEMON_IMPORTS_IT = _as_the_daemon_imports(_STACK) + "import os\nos._exit(0)\n"
 _REPORT_RSS = (
     "for _line in open('/proc/self/status'):\n"
     "    if _line.startswith('VmRSS:'):\n"
@@ -95,11 +97,7 @@ def _package(module: str) -> str:
 
 def import_rss(modules: Sequence[str], runs: int, env: dict[str, str]) -> float:
     """VmRSS in kB of a fresh interpreter after importing `modules`, lowest of `runs`."""
-    imports = [f"    import {module}\n" for module in modules]
-    ours = [i for i, module in enumerate(modules) if module.startswith("pcc_plugin")]
-    if ours:
-        imports.insert(ours[0], _LOAD)
-    source = _PRELUDE + "".join(imports) + _REPORT_RSS
+    source = _as_the_daemon_imports(modules) + _REPORT_RSS
     figures = []
     for _ in range(runs):
         output = subprocess.run(
