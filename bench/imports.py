@@ -17,10 +17,9 @@ from pcc_plugin.sim import unneeded_imports
 # which `python -m pcc_plugin` imports them. A step lists modules separated by commas.
 IMPORT_STEPS: tuple[tuple[str, str], ...] = (
     ("attrs", "attrs"),
-    ("ssl (libssl, libcrypto)", "ssl"),
     ("asyncio", "asyncio"),
     ("trio", "trio"),
-    ("trio_asyncio (+ greenlet)", "trio_asyncio"),
+    ("trio_asyncio", "trio_asyncio"),
     ("grpclib client+server (+ h2, hpack, multidict)", "grpclib.client,grpclib.server"),
     ("betterproto2 and the generated code", "pcc_plugin._proto.v1beta1"),
     ("asyncinotify (+ ctypes)", "asyncinotify"),
@@ -34,18 +33,21 @@ _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
 def _as_the_daemon_imports(modules: Sequence[str]) -> str:
     """Source that imports `modules` as the daemon starts (pcc_plugin.main): betterproto2's
     version read without importlib.metadata; the imports with trio's library lookups answered
-    and what it does not need loaded at first use; betterproto2 loaded before the first module
-    that uses it."""
-    imports = [f"    import {module}\n" for module in modules]
-    users = [i for i, m in enumerate(modules) if m.startswith(("pcc_plugin", "betterproto2"))]
+    and what the stack does not need loaded at first use; trio first, the rest without ssl;
+    betterproto2 loaded before the first module that uses it."""
+    rest = [module for module in modules if module != "trio"]
+    imports = [f"        import {module}\n" for module in rest]
+    users = [i for i, m in enumerate(rest) if m.startswith(("pcc_plugin", "betterproto2"))]
     if users:
-        imports.insert(users[0], "    _betterproto2.load()\n")
+        imports.insert(users[0], "        _betterproto2.load()\n")
     return (
         "from pcc_plugin import _betterproto2, _first_use, _library_lookups\n"
         "_betterproto2.install()\n"
         "with _library_lookups.glibc_sonames(), "
-        "_first_use.loaded_at_first_use(*_first_use.TRIO_UNUSED):\n"
-    ) + "".join(imports or ["    pass\n"])
+        "_first_use.loaded_at_first_use(*_first_use.STACK_UNUSED):\n"
+        + ("    import trio\n" if "trio" in modules else "")
+        + "    with _first_use.imported_without('ssl'):\n"
+    ) + "".join(imports or ["        pass\n"])
 
 
 # The daemon's stack imported as the daemon imports it, and none of our other modules: beside

@@ -67,14 +67,15 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             sys.exit(1)
     raise_open_file_limit()
     # Imported only now: `--help` and usage errors stay fast.
-    from pcc_plugin._first_use import TRIO_UNUSED, loaded_at_first_use
+    from pcc_plugin._first_use import STACK_UNUSED, imported_without, loaded_at_first_use
     from pcc_plugin._library_lookups import glibc_sonames
 
-    with glibc_sonames(), loaded_at_first_use(*TRIO_UNUSED):
+    with glibc_sonames(), loaded_at_first_use(*STACK_UNUSED):
         import trio
 
-        _betterproto2.load()
-        from pcc_plugin import supervisor
+        with imported_without("ssl"):
+            _betterproto2.load()
+            from pcc_plugin import supervisor
     from pcc_plugin.errors import FatalError
 
     # attrs keeps the source of every class's generated methods (83 classes, ours, trio's

@@ -23,7 +23,9 @@ from typing import IO, Protocol
 # json: pcc_plugin._betterproto2); argparse's terminal width (shutil); grpclib's status
 # details (google); trio's DTLS cookies and host names beyond ASCII (hmac, hashlib, idna:
 # pcc_plugin._first_use; `secrets` imports hmac too, hence `os.urandom` for our random
-# names); and prometheus_client, a dependency no more.
+# names); TLS and trio-asyncio's loop outside trio (_ssl, greenlet: pcc_plugin._first_use;
+# not ssl, which asyncio and grpclib look for, and find missing); and prometheus_client, a
+# dependency no more.
 NOT_NEEDED_TO_REGISTER = (
     "pcc_plugin.doctor",
     "pcc_plugin.sim",
@@ -39,6 +41,8 @@ NOT_NEEDED_TO_REGISTER = (
     "hmac",
     "hashlib",
     "idna",
+    "_ssl",
+    "greenlet",
     "prometheus_client",
 )
 
