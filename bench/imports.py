@@ -33,18 +33,20 @@ _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
 def _as_the_daemon_imports(modules: Sequence[str]) -> str:
     """Source that imports `modules` as the daemon starts (pcc_plugin.main): betterproto2's
     version read without importlib.metadata; the imports with trio's library lookups answered
-    and what the stack does not need loaded at first use; trio first, the rest without ssl;
-    betterproto2 loaded before the first module that uses it."""
+    and what the stack does not need loaded at first use, generated code taken from the cache
+    where there is one; trio first, the rest without ssl; betterproto2 loaded before the first
+    module that uses it."""
     rest = [module for module in modules if module != "trio"]
     imports = [f"        import {module}\n" for module in rest]
     users = [i for i, m in enumerate(rest) if m.startswith(("pcc_plugin", "betterproto2"))]
     if users:
         imports.insert(users[0], "        _betterproto2.load()\n")
     return (
-        "from pcc_plugin import _betterproto2, _first_use, _library_lookups\n"
+        "from pcc_plugin import _betterproto2, _first_use, _generated_code, _library_lookups\n"
         "_betterproto2.install()\n"
         "with _library_lookups.glibc_sonames(), "
-        "_first_use.loaded_at_first_use(*_first_use.STACK_UNUSED):\n"
+        "_first_use.loaded_at_first_use(*_first_use.STACK_UNUSED), "
+        "_generated_code.compiled_at_build():\n"
         + ("    import trio\n" if "trio" in modules else "")
         + "    with _first_use.imported_without('ssl'):\n"
     ) + "".join(imports or ["        pass\n"])

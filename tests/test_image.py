@@ -245,6 +245,23 @@ def test_every_daemon_module_imports(arch: images.Arch, config: Obj, rootfs: Pat
     assert libyaml == "with_libyaml=False"
 
 
+GENERATED_CODE = """
+from pcc_plugin.main import import_the_daemon
+generated = import_the_daemon()
+print(generated.compiled, len(generated.used))
+"""
+
+
+def test_the_daemon_takes_the_code_attrs_generates_from_the_image(
+    arch: images.Arch, config: Obj, rootfs: Path
+) -> None:
+    """Compiled when the image was built, by its interpreter, in its environment: none now."""
+    python = f"{VENV}/bin/python"
+    argv = image_argv({**config, "Entrypoint": [python]}, rootfs, "-c", GENERATED_CODE)
+    compiled, used = map(int, run(*argv, timeout=60 * patience(arch)).split())
+    assert (compiled, used >= 100) == (0, True)
+
+
 def test_nothing_but_the_plugin(config: Obj, rootfs: Path) -> None:
     path = next(e.split("=", 1)[1] for e in config["Env"] if e.startswith("PATH="))
     found = [
