@@ -30,26 +30,35 @@ IMPORT_STEPS: tuple[tuple[str, str], ...] = (
 _IMPORT_LINE = re.compile(r"^import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)$")
 
 
+# Of the modules measured, those that import neither asyncio nor grpclib.
+_NEITHER_ASYNCIO_NOR_GRPCLIB = ("attrs", "trio", "h11")
+
+
 def _as_the_daemon_imports(modules: Sequence[str]) -> str:
-    """Source that imports `modules` as the daemon starts (pcc_plugin.main): betterproto2's
-    version read without importlib.metadata; the imports with trio's library lookups answered
-    and what the stack does not need loaded at first use, generated code taken from the cache
-    where there is one; trio first, the rest without ssl; betterproto2 loaded before the first
-    module that uses it."""
-    rest = [module for module in modules if module != "trio"]
-    imports = [f"        import {module}\n" for module in rest]
-    users = [i for i, m in enumerate(rest) if m.startswith(("pcc_plugin", "betterproto2"))]
+    """Source that imports `modules` as the daemon starts (pcc_plugin.main.import_the_daemon):
+    betterproto2's version read without importlib.metadata; the imports with trio's library
+    lookups answered, what the stack does not need loaded at first use, and generated code
+    taken from the cache where there is one; asyncio and grpclib first, without ssl, when
+    they are among what `modules` import; betterproto2 loaded before the first module that
+    uses it."""
+    imports = [f"    import {module}\n" for module in modules]
+    users = [i for i, m in enumerate(modules) if m.startswith(("pcc_plugin", "betterproto2"))]
     if users:
-        imports.insert(users[0], "        _betterproto2.load()\n")
+        imports.insert(users[0], "    _betterproto2.load()\n")
+    if any(module not in _NEITHER_ASYNCIO_NOR_GRPCLIB for module in modules):
+        imports.insert(
+            0,
+            "    with _first_use.imported_without('ssl'):\n"
+            "        for _module in _first_use.SSL_OPTIONAL:\n"
+            "            __import__(_module)\n",
+        )
     return (
         "from pcc_plugin import _betterproto2, _first_use, _generated_code, _library_lookups\n"
         "_betterproto2.install()\n"
         "with _library_lookups.glibc_sonames(), "
         "_first_use.loaded_at_first_use(*_first_use.STACK_UNUSED), "
         "_generated_code.compiled_at_build():\n"
-        + ("    import trio\n" if "trio" in modules else "")
-        + "    with _first_use.imported_without('ssl'):\n"
-    ) + "".join(imports or ["        pass\n"])
+    ) + "".join(imports or ["    pass\n"])
 
 
 # The daemon's stack imported as the daemon imports it, and none of our other modules: beside

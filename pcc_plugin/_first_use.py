@@ -13,9 +13,10 @@ and the first attribute read from it imports the real module, so that TLS,
 DTLS and such names would still work.
 
 asyncio and grpclib read ssl at import and grpclib at every channel it opens,
-but both run on a Python built without it: within `imported_without("ssl")`
-they are imported as there, and never load libssl and libcrypto (4.3 MiB
-resident for good, and 5 to 10 ms of every start).
+but both run on a Python built without it: imported first, within
+`imported_without("ssl")` (SSL_OPTIONAL), they are imported as there, and never
+load libssl and libcrypto (4.3 MiB resident for good, and 5 to 10 ms of every
+start).
 
 tests/test_first_use.py pins that the stack reads nothing of these at import
 and that the daemon never loads them; `_betterproto2.load` does the same for
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 STACK_UNUSED = ("hmac", "idna", "greenlet", "ssl")
+SSL_OPTIONAL = ("asyncio", "grpclib.client")
 
 
 class StandIn(types.ModuleType):

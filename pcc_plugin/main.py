@@ -102,8 +102,15 @@ def import_the_daemon(generated_code_cache: Path | None = None) -> GeneratedCode
     """Import what the daemon runs, for less time and memory than plain imports take (each
     context's module says how); return the code attrs and dataclasses generated, taken from
     `generated_code_cache` (pcc_plugin._generated_code.CACHE by default) where it can be."""
+    import importlib
+
     from pcc_plugin import _betterproto2
-    from pcc_plugin._first_use import STACK_UNUSED, imported_without, loaded_at_first_use
+    from pcc_plugin._first_use import (
+        SSL_OPTIONAL,
+        STACK_UNUSED,
+        imported_without,
+        loaded_at_first_use,
+    )
     from pcc_plugin._generated_code import compiled_at_build
     from pcc_plugin._library_lookups import glibc_sonames
 
@@ -113,11 +120,11 @@ def import_the_daemon(generated_code_cache: Path | None = None) -> GeneratedCode
         loaded_at_first_use(*STACK_UNUSED),
         compiled_at_build(generated_code_cache) as generated,
     ):
-        import trio  # noqa: F401
-
         with imported_without("ssl"):
-            _betterproto2.load()
-            import pcc_plugin.supervisor  # noqa: F401
+            for module in SSL_OPTIONAL:
+                importlib.import_module(module)
+        _betterproto2.load()
+        import pcc_plugin.supervisor  # noqa: F401
     return generated
 
 

@@ -10,11 +10,14 @@ from fresh_interpreter import json_of
 # imported as pcc_plugin.main does.
 STACK_IMPORTED = """
 import json, sys
-from pcc_plugin._first_use import STACK_UNUSED, StandIn, imported_without, loaded_at_first_use
+from pcc_plugin._first_use import (
+    SSL_OPTIONAL, STACK_UNUSED, StandIn, imported_without, loaded_at_first_use
+)
 with loaded_at_first_use(*STACK_UNUSED):
-    import trio
     with imported_without("ssl"):
-        import asyncio, grpclib.client, grpclib.server, trio_asyncio
+        for module in SSL_OPTIONAL:
+            __import__(module)
+    import asyncio, grpclib.client, grpclib.server, trio, trio_asyncio
 MODULES = ("hmac", "hashlib", "_hashlib", "idna", "greenlet", "ssl", "_ssl")
 
 async def open_and_close_a_channel():  # as the daemon does, in an asyncio loop under trio
