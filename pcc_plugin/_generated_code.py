@@ -56,10 +56,12 @@ Entry = tuple[CodeType, int | None]
 class GeneratedCode:
     """Code objects by source, file name and flags: those read from a cache, those used."""
 
-    def __init__(self, cached: dict[Key, Entry]) -> None:
+    def __init__(self, cached: dict[Key, Entry], path: Path | None = None) -> None:
         self.cached = cached
+        self.path = path
         self.used: dict[Key, Entry] = {}
         self.compiled = 0
+        self.from_cache = 0
 
     def code(self, source: str, filename: str, flags: int) -> CodeType:
         salt = None
@@ -69,7 +71,10 @@ class GeneratedCode:
             salt = int(match[1])
             key_source = source[: match.start(1)] + _SALT_TAKEN_OUT + source[match.end(1) :]
         key = (key_source, filename, flags)
-        entry = self.cached.get(key) or self.used.get(key)
+        entry = self.used.get(key)
+        if entry is None:
+            entry = self.cached.get(key)
+            self.from_cache += entry is not None
         if entry is None:
             self.compiled += 1
             entry = (builtins.compile(source, filename, "exec", flags, dont_inherit=True), salt)
@@ -135,7 +140,8 @@ def read(path: Path) -> dict[Key, Entry]:
 def compiled_at_build(path: Path | None = None) -> Iterator[GeneratedCode]:
     """Within: attrs and dataclasses take the code they generate from the cache at `path`
     (CACHE by default)."""
-    generated = GeneratedCode(read(path or CACHE))
+    path = path or CACHE
+    generated = GeneratedCode(read(path), path)
     attr._make.compile = generated.attrs_compile  # type: ignore[attr-defined]
     dataclasses.exec = generated.dataclasses_exec  # type: ignore[attr-defined]
     try:
@@ -149,7 +155,8 @@ def main() -> None:
     """Write CACHE with what the daemon's imports generate."""
     from pcc_plugin.main import import_the_daemon
 
-    generated = import_the_daemon()
+    with compiled_at_build() as generated:
+        import_the_daemon()
     generated.write(CACHE)
     print(f"{CACHE}: {len(generated.used)} generated code objects")
 

@@ -44,7 +44,8 @@ def checked_code(self, source, filename, flags):
 
 _generated_code.GeneratedCode.code = checked_code
 cache = Path(sys.argv[1])
-generated = import_the_daemon(cache)
+with _generated_code.compiled_at_build(cache) as generated:
+    import_the_daemon()
 if sys.argv[2] == "write":
     generated.write(cache)
 print(json.dumps({**checked, "compiled": generated.compiled, "used": len(generated.used)}))
