@@ -59,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         cli.main(argv[1:])
     from pcc_plugin._generated_code import compiled_at_build
 
+    # No garbage collected while importing: the imports make little, and walking all they
+    # make, again and again as it grows, was 12 ms of the start (for 0.7 MiB more resident,
+    # BENCHMARKS.md). The collector is on again once they are frozen, below.
+    gc.disable()
     with compiled_at_build() as generated:
         config, specs, digest = _configure_and_import(argv)
     log.debug(
@@ -107,10 +111,7 @@ def _configure_and_import(argv: Sequence[str]) -> tuple[Flags, list[ResourceSpec
             log.error("%s", problem)
             sys.exit(1)
     raise_open_file_limit()
-    # Imported only now: `--help` and usage errors stay fast. Without collecting garbage
-    # meanwhile: the imports make little, and walking all they make, again and again as it
-    # grows, was 12 ms of the start (for 0.7 MiB more resident, BENCHMARKS.md).
-    gc.disable()
+    # Imported only now: `--help` and usage errors stay fast.
     import_the_daemon()
     return config, specs, digest
 
