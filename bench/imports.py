@@ -17,10 +17,10 @@ from pcc_plugin.sim import unneeded_imports
 # which `python -m pcc_plugin` imports them. A step lists modules separated by commas.
 IMPORT_STEPS: tuple[tuple[str, str], ...] = (
     ("attrs", "attrs"),
-    ("asyncio", "asyncio"),
+    ("asyncio, grpclib's client (+ h2, hpack, multidict), no ssl", "asyncio,grpclib.client"),
     ("trio", "trio"),
     ("trio_asyncio", "trio_asyncio"),
-    ("grpclib client+server (+ h2, hpack, multidict)", "grpclib.client,grpclib.server"),
+    ("grpclib's server", "grpclib.server"),
     ("betterproto2 and the generated code", "pcc_plugin._proto.v1beta1"),
     ("asyncinotify (+ ctypes)", "asyncinotify"),
     ("rest of the daemon (pcc_plugin.supervisor)", "pcc_plugin.main,pcc_plugin.supervisor"),
@@ -35,12 +35,12 @@ _NEITHER_ASYNCIO_NOR_GRPCLIB = ("attrs", "trio", "h11")
 
 
 def _as_the_daemon_imports(modules: Sequence[str]) -> str:
-    """Source that imports `modules` as the daemon starts (pcc_plugin.main.import_the_daemon):
-    betterproto2's version read without importlib.metadata; the imports with trio's library
-    lookups answered, what the stack does not need loaded at first use, and generated code
-    taken from the cache where there is one; asyncio and grpclib first, without ssl, when
-    they are among what `modules` import; betterproto2 loaded before the first module that
-    uses it."""
+    """Source that imports `modules` as the daemon starts (pcc_plugin.main): no garbage
+    collected; betterproto2's version read without importlib.metadata; the imports with
+    trio's library lookups answered, what the stack does not need loaded at first use, and
+    generated code taken from the cache where there is one; asyncio and grpclib first,
+    without ssl, when they are among what `modules` import; betterproto2 loaded before the
+    first module that uses it."""
     imports = [f"    import {module}\n" for module in modules]
     users = [i for i, m in enumerate(modules) if m.startswith(("pcc_plugin", "betterproto2"))]
     if users:
@@ -52,13 +52,17 @@ def _as_the_daemon_imports(modules: Sequence[str]) -> str:
             "        for _module in _first_use.SSL_OPTIONAL:\n"
             "            __import__(_module)\n",
         )
+    if not imports:
+        return "pass\n"
     return (
+        "import gc\n"
+        "gc.disable()\n"
         "from pcc_plugin import _betterproto2, _first_use, _generated_code, _library_lookups\n"
         "_betterproto2.install()\n"
         "with _library_lookups.glibc_sonames(), "
         "_first_use.loaded_at_first_use(*_first_use.STACK_UNUSED), "
         "_generated_code.compiled_at_build():\n"
-    ) + "".join(imports or ["    pass\n"])
+    ) + "".join(imports)
 
 
 # The daemon's stack imported as the daemon imports it, and none of our other modules: beside
@@ -125,7 +129,7 @@ def import_rss(modules: Sequence[str], runs: int, env: dict[str, str]) -> float:
 def import_table(report: Report, runs: int, env: dict[str, str]) -> None:
     report.section("VmRSS of imports, fresh interpreters: 'adds' cumulative in this order, 'alone'")
     bare = import_rss([], runs, env)
-    report.add("bare interpreter (this venv, site on, the daemon's stand-ins)", mib(bare))
+    report.add("bare interpreter (this venv, site on)", mib(bare))
     cumulative: list[str] = []
     previous = bare
     table = {"bare": bare}
