@@ -74,11 +74,13 @@ class GeneratedCode:
         entry = self.used.get(key)
         if entry is None:
             entry = self.cached.get(key)
-            self.from_cache += entry is not None
-        if entry is None:
-            self.compiled += 1
-            entry = (builtins.compile(source, filename, "exec", flags, dont_inherit=True), salt)
-        self.used[key] = entry
+            if entry is not None:
+                self.from_cache += 1
+            else:
+                self.compiled += 1
+                code = builtins.compile(source, filename, "exec", flags, dont_inherit=True)
+                entry = (code, salt)
+            self.used[key] = entry
         code, cached_salt = entry
         if cached_salt is None or salt is None or cached_salt == salt:
             return code
