@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 import trio
 from daemon_support import HEALTHY_16, RESOURCE, log_line, open_tool_stream, serving
+from fresh_interpreter import json_of
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 
@@ -327,8 +325,5 @@ main(sys.argv[1:])
 
 
 def test_the_garbage_collector_is_on_again_once_the_imports_are_done(fake_node: FakeNode) -> None:
-    output = subprocess.run(
-        [sys.executable, "-c", GARBAGE_COLLECTOR_WHEN_RUNNING, *fake_node.daemon_args()],
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
-    assert json.loads(output) == {"enabled": True, "frozen": True}
+    state = json_of(GARBAGE_COLLECTOR_WHEN_RUNNING, *fake_node.daemon_args())
+    assert state == {"enabled": True, "frozen": True}

@@ -4,14 +4,12 @@ by another process, and what it finds is what compiling the source would give.""
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import attr._make
 import attrs
+from fresh_interpreter import json_of
 
 from pcc_plugin import _generated_code
 from pcc_plugin._generated_code import GeneratedCode, compiled_at_build, read
@@ -53,11 +51,9 @@ print(json.dumps({**checked, "compiled": generated.compiled, "used": len(generat
 
 
 def start(cache: Path, then: str) -> dict[str, Any]:
-    output = subprocess.run(
-        [sys.executable, "-X", "no_debug_ranges", "-c", CHECKED_START, str(cache), then],
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
-    result: dict[str, Any] = json.loads(output)
+    result: dict[str, Any] = json_of(
+        CHECKED_START, str(cache), then, options=("-X", "no_debug_ranges")
+    )
     return result
 
 
@@ -91,9 +87,7 @@ def test_a_cache_this_interpreter_cannot_use_is_no_cache(tmp_path: Path) -> None
     damaged = {
         "missing": None,
         "truncated": data[: len(data) // 2],
-        "another interpreter's": data.replace(
-            _generated_code._HEADER, b"x" * len(_generated_code._HEADER), 1
-        ),
+        "another interpreter's": b"x" * len(header) + data[len(header) :],
         "not a dict": header + b"N",
         "empty": b"",
     }
