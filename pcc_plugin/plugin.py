@@ -9,7 +9,6 @@ from pathlib import Path
 
 import attrs
 
-from pcc_plugin import wire
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.flags import DEFAULT_INSTANCE_NAME
 from pcc_plugin.klog import V1
@@ -33,8 +32,13 @@ class DeviceUnavailable(RuntimeError):
 
 def encode_listing(devices: tuple[Device, ...]) -> bytes:
     """The full device list, encoded once and shared by every ListAndWatch stream."""
-    return wire.encode_list_and_watch(
-        (device.id, HEALTHY if device.healthy else UNHEALTHY) for device in devices
+    return bytes(
+        api.ListAndWatchResponse(
+            devices=[
+                api.Device(id=device.id, health=HEALTHY if device.healthy else UNHEALTHY)
+                for device in devices
+            ]
+        )
     )
 
 

@@ -8,13 +8,13 @@ mistakes are INVALID_ARGUMENT, a gone device FAILED_PRECONDITION.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import grpclib.const
 import grpclib.exceptions
 
 from pcc_plugin import wire
+from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.grpc_server import Call, MethodSpec
 from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError
 from pcc_plugin.registration import KubeletLink
@@ -75,9 +75,6 @@ class DevicePluginService:
             "GetPreferredAllocation is not offered: every share is the same device",
         )
 
-    # Errors are mapped in `except` clauses, not context managers: on Allocate's path, two
-    # generator-based ones cost 3 % of the call's instructions (BENCHMARKS.md).
-
     def allocate(self, data: bytes, call: Call) -> bytes:
         try:
             containers = wire.read_allocate_request(
@@ -131,31 +128,30 @@ def _check(data: bytes, schema: wire.Schema, name: str) -> None:
 
 def encode_allocate_response(grants: list[Grant]) -> bytes:
     """An AllocateResponse, one ContainerAllocateResponse per grant."""
-    return b"".join(wire.encode_message(1, _container_response(given)) for given in grants)
-
-
-@functools.lru_cache(maxsize=256)
-def _container_response(given: Grant) -> bytes:
-    """A ContainerAllocateResponse. A grant is a pure function of the devices named, so
-    kubelet's calls, which name one share of the same device, find it encoded already."""
-    mounts = (
-        wire.encode_string(1, mount.container_path)
-        + wire.encode_string(2, mount.host_path)
-        + wire.encode_bool(3, mount.read_only)
-        for mount in given.mounts
-    )
-    devices = (
-        wire.encode_string(1, node.container_path)
-        + wire.encode_string(2, node.host_path)
-        + wire.encode_string(3, node.permissions)
-        for node in given.device_nodes
-    )
-    # Fields of ContainerAllocateResponse: envs 1, mounts 2, devices 3, cdi_devices 5.
-    return b"".join(
-        [
-            wire.encode_map(1, dict(given.envs)),
-            *(wire.encode_message(2, mount) for mount in mounts),
-            *(wire.encode_message(3, device) for device in devices),
-            *(wire.encode_message(5, wire.encode_string(1, name)) for name in given.cdi_devices),
-        ]
+    return bytes(
+        api.AllocateResponse(
+            container_responses=[
+                api.ContainerAllocateResponse(
+                    envs=dict(given.envs),
+                    mounts=[
+                        api.Mount(
+                            container_path=mount.container_path,
+                            host_path=mount.host_path,
+                            read_only=mount.read_only,
+                        )
+                        for mount in given.mounts
+                    ],
+                    devices=[
+                        api.DeviceSpec(
+                            container_path=node.container_path,
+                            host_path=node.host_path,
+                            permissions=node.permissions,
+                        )
+                        for node in given.device_nodes
+                    ],
+                    cdi_devices=[api.CdiDevice(name=name) for name in given.cdi_devices],
+                )
+                for given in grants
+            ]
+        )
     )

@@ -1,22 +1,20 @@
-"""The protobuf wire format of what crosses the plugin's socket, read strictly and written fast.
+"""The protobuf wire format of the requests kubelet sends the plugin, read strictly.
 
 Every request is checked here before anything else sees it: the bytes must be
 a complete message (no field that claims more bytes than follow, no cut-off
 varint), known fields must have their declared wire type, and strings must be
 UTF-8. betterproto2 accepts truncated input, and decodes every field before
 anything can count them; the readers below stop at the first field past a
-limit. The hot messages (AllocateRequest in, ListAndWatchResponse out) are read
-and written here directly: a request of 10,000 device IDs takes a few
-milliseconds instead of betterproto2's seventy.
+limit. Answers are betterproto2's.
 
 Field numbers and kinds are those of protos/deviceplugin_v1beta1.proto;
-tests/test_wire.py checks them against the proto's own descriptors.
+tests/test_fuzz.py sends them as protobuf's own encoder writes them.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Union
 
 
@@ -196,50 +194,3 @@ def read_allocate_request(data: bytes, max_containers: int, max_ids: int) -> lis
         containers.append(ids)
         pos += size
     return containers
-
-
-def _length_prefixed(number: int, payload: bytes) -> bytes:
-    return bytes([number << 3 | _LENGTH]) + _encode_varint(len(payload)) + payload
-
-
-def _encode_varint(value: int) -> bytes:
-    if value < 0x80:
-        return bytes([value])
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def encode_list_and_watch(devices: Iterable[tuple[str, str]]) -> bytes:
-    """A ListAndWatchResponse of (ID, health) pairs, without topology."""
-    return b"".join(
-        _length_prefixed(
-            1, _length_prefixed(1, device_id.encode()) + _length_prefixed(2, health.encode())
-        )
-        for device_id, health in devices
-    )
-
-
-def encode_string(number: int, value: str) -> bytes:
-    """A singular string field; proto3 leaves an empty one out."""
-    return _length_prefixed(number, value.encode()) if value else b""
-
-
-def encode_message(number: int, payload: bytes) -> bytes:
-    return _length_prefixed(number, payload)
-
-
-def encode_bool(number: int, value: bool) -> bytes:
-    return bytes([number << 3 | _VARINT, 1]) if value else b""
-
-
-def encode_map(number: int, entries: Mapping[str, str]) -> bytes:
-    return b"".join(
-        _length_prefixed(
-            number, _length_prefixed(1, key.encode()) + _length_prefixed(2, value.encode())
-        )
-        for key, value in entries.items()
-    )
