@@ -25,6 +25,7 @@ from pcc_plugin.klog import V1
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
+KUBELET_RESTARTED = "kubelet restarted"
 
 
 class SocketNames:
@@ -94,7 +95,7 @@ def restart_reason(
     # afresh (and reports a file that is not a socket); gone again: nothing.
     if names.get(KUBELET_SOCKET, Mask(0)) & APPEARED and kubelet_socket.exists():
         log.info("inotify: %s created, restarting.", kubelet_socket)
-        return "kubelet restarted"
+        return KUBELET_RESTARTED
     if endpoint in names:
         reason = own_socket_problem(plugin_dir / endpoint, own)
         if reason:

@@ -5,6 +5,11 @@ our job: `register_with_kubelet` retries until kubelet accepts, and
 `reregister_when_stream_ends` restarts the generation when kubelet's
 ListAndWatch stream ends.
 
+A kubelet restart is answered at once, however often it comes: only the
+plugin's own faults (a refused Register, a socket it cannot serve, kubelet
+dropping the stream of a registration it accepted) wait, `RETRY_FIRST`
+doubling to `RETRY_CAP`, and only when they come back to back.
+
 A kubelet restart is routine: while kubelet is unreachable, retries are
 `--v=1` lines; only after `UNREACHABLE_GRACE` does an error line say so (then
 at most once per `UNREACHABLE_REPEAT`), and one info line says when it is back.
@@ -25,7 +30,7 @@ from pcc_plugin import grpc_clients
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.fs import identity, is_socket
 from pcc_plugin.klog import V1
-from pcc_plugin.plugin_dir import KUBELET_SOCKET, accepts_connections
+from pcc_plugin.plugin_dir import KUBELET_RESTARTED, KUBELET_SOCKET, accepts_connections
 from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,9 @@ UNREACHABLE_GRACE = 30.0
 UNREACHABLE_REPEAT = 60.0
 # Registered with kubelet's stream open this long: the faults before are forgotten.
 STABLE_AFTER = 10.0
+# The wait after a fault, doubling (with jitter) for each one back to back.
+RETRY_FIRST = 0.02
+RETRY_CAP = 5.0
 STREAM_ENDED = "kubelet's ListAndWatch stream ended"
 
 Register = Callable[[Path, api.RegisterRequest, float], Awaitable[None]]
@@ -50,8 +58,8 @@ class Backoff:
     at once, and only faults back to back wait. `reset` forgets them.
     """
 
-    first: float = 0.02
-    cap: float = 5.0
+    first: float = RETRY_FIRST
+    cap: float = RETRY_CAP
     immediate_first: bool = False
     rng: random.Random = attrs.Factory(random.Random)
     attempt: int = 0
@@ -206,7 +214,7 @@ async def register_with_kubelet(
                  request.resource_name, request.endpoint)  # fmt: skip
         if stats.kubelet is not None and kubelet != stats.kubelet:
             stats.kubelet_restarts += 1
-            cause = "kubelet restarted"
+            cause = KUBELET_RESTARTED
         stats.kubelet = kubelet
         stats.registered = True
         stats.registrations[cause] += 1
@@ -218,10 +226,11 @@ async def reregister_when_stream_ends(
 ) -> None:
     """Kubelet never redials: when its stream ends, registering again is our job.
 
-    At once if kubelet still listens (it dropped us: during a rollout every
-    millisecond is a gap in allocatable). If kubelet.sock takes no connections,
-    kubelet is restarting: the directory watcher restarts this generation when
-    the new kubelet.sock appears.
+    At once if kubelet listens: a new kubelet.sock is a kubelet restart (every
+    millisecond before its first admissions counts), the same one dropped us
+    (during a rollout every millisecond is a gap in allocatable). If kubelet.sock
+    takes no connections, kubelet is restarting: the directory watcher restarts
+    this generation when the new kubelet.sock appears.
     """
     await link.ended.wait()
     kubelet_socket = plugin_dir / KUBELET_SOCKET
@@ -232,6 +241,11 @@ async def reregister_when_stream_ends(
         link.stats.registered = False
         link.stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
         await trio.sleep_forever()
+    if identity(kubelet_socket) != link.stats.kubelet:
+        log.info("kubelet's ListAndWatch stream ended and %s is new: registering again",
+                 kubelet_socket)  # fmt: skip
+        restart(KUBELET_RESTARTED)
+        return
     log.warning("kubelet's ListAndWatch stream ended; registering again")
     restart(STREAM_ENDED)
 

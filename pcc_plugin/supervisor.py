@@ -70,6 +70,11 @@ from pcc_plugin.stats import ResourceStats
 
 log = logging.getLogger(__name__)
 
+# A resource whose serving failed with a bug waits this long before it is served again,
+# doubling up to the cap; the other resources go on meanwhile.
+BUG_RESTART_FIRST = 1.0
+BUG_RESTART_CAP = 60.0
+
 
 @attrs.define
 class Restart:
@@ -289,7 +294,7 @@ async def supervise_resource(config: Flags, plugin: DevicePlugin) -> None:
     it is logged with its traceback. The backoff forgets once the resource
     has served kubelet for a while (`registration.STABLE_AFTER`).
     """
-    backoff = Backoff(first=1.0, cap=60.0)
+    backoff = Backoff(first=BUG_RESTART_FIRST, cap=BUG_RESTART_CAP)
     while True:
         try:
             await serve_resource(config, plugin, backoff)
@@ -319,7 +324,7 @@ class Ending:
 async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin, resource_backoff: Backoff) -> None:
     """One generation after another. Faults back to back wait, an isolated one does not."""
     names = SocketNames(plugin.spec.socket_prefix)
-    restarts = Backoff(first=0.02, cap=5.0, immediate_first=True)
+    restarts = Backoff(immediate_first=True)
     reachability = Reachability()
     cause = "start"
     while True:

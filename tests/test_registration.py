@@ -15,6 +15,7 @@ import trio.testing
 
 from pcc_plugin import grpc_clients
 from pcc_plugin._proto import v1beta1 as api
+from pcc_plugin.fs import identity
 from pcc_plugin.registration import (
     STABLE_AFTER,
     UNREACHABLE_GRACE,
@@ -204,12 +205,17 @@ async def test_a_registration_with_a_new_kubelet_sock_counts_as_a_kubelet_restar
     assert stats.kubelet_restarts == 2
 
 
+@pytest.mark.parametrize("same_kubelet", [True, False], ids=["dropped", "restarted"])
 async def test_stream_end_restarts_at_once_while_kubelet_listens(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, same_kubelet: bool
 ) -> None:
+    """The kubelet registered with dropped the stream: a fault (the next one back to back
+    waits). A new kubelet.sock listens already: a kubelet restart, never a fault."""
     link = KubeletLink(ResourceStats())
     with bind_socket(tmp_path / "kubelet.sock") as kubelet, trio.CancelScope() as scope:
         kubelet.listen()
+        if same_kubelet:
+            link.stats.kubelet = identity(tmp_path / "kubelet.sock")
         restart = Restart(scope)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reregister_when_stream_ends, tmp_path, link, restart)
@@ -218,7 +224,8 @@ async def test_stream_end_restarts_at_once_while_kubelet_listens(
             ended_at = trio.current_time()
             link.ended.set()
             await trio.sleep_forever()
-    assert restart.reason == "kubelet's ListAndWatch stream ended"
+    expected = "kubelet's ListAndWatch stream ended" if same_kubelet else "kubelet restarted"
+    assert restart.reason == expected
     assert trio.current_time() == ended_at
 
 
