@@ -8,7 +8,6 @@ exit 2.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -225,19 +224,7 @@ def usage_error(prog: str, message: str) -> NoReturn:
     sys.exit(2)
 
 
-def _terminal_width() -> int:
-    try:
-        return os.get_terminal_size(sys.stdout.fileno()).columns - 2
-    except (AttributeError, ValueError, OSError):
-        return 78
-
-
 class _Parser(argparse.ArgumentParser):
-    def _get_formatter(self) -> argparse.HelpFormatter:
-        # argparse's own asks shutil for the terminal's width, at every add_argument too;
-        # importing shutil loads zlib, bz2 and lzma: 0.7 MiB that the daemon would keep.
-        return argparse.HelpFormatter(prog=self.prog, width=_terminal_width())
-
     def error(self, message: str) -> NoReturn:
         # argparse says "argument --x: problem"; every other usage error says "--x: problem".
         usage_error(self.prog, message.removeprefix("argument "))

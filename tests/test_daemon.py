@@ -13,7 +13,6 @@ import grpc
 import pytest
 import trio
 from daemon_support import HEALTHY_16, RESOURCE, log_line, open_tool_stream, serving
-from fresh_interpreter import json_of
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 
@@ -308,22 +307,3 @@ async def test_a_tool_stream_opened_during_register_is_not_taken_for_kubelets(
 
 def lines_containing(daemon: Daemon, text: str) -> list[str]:
     return [line for line in daemon.log_text().splitlines() if text in line]
-
-
-# The daemon's own start, up to the supervisor, which here only reports the collector's state.
-GARBAGE_COLLECTOR_WHEN_RUNNING = """
-import gc, json, sys
-import pcc_plugin.supervisor
-
-async def report(*args):
-    print(json.dumps({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count() > 0}))
-
-pcc_plugin.supervisor.run = report
-from pcc_plugin.main import main
-main(sys.argv[1:])
-"""
-
-
-def test_the_garbage_collector_is_on_again_once_the_imports_are_done(fake_node: FakeNode) -> None:
-    state = json_of(GARBAGE_COLLECTOR_WHEN_RUNNING, *fake_node.daemon_args())
-    assert state == {"enabled": True, "frozen": True}

@@ -17,33 +17,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Protocol
 
-# Never needed to register, each kept out for its reason: other commands and options (the
-# doctor, the simulator, profiles, YAML); the first HTTP request (h11); betterproto2's
-# version (importlib.metadata, email), its `Self` and its JSON methods (typing_extensions,
-# json: pcc_plugin._betterproto2); argparse's terminal width (shutil); grpclib's status
-# details (google); trio's DTLS cookies and host names beyond ASCII (hmac, hashlib, idna:
-# pcc_plugin._first_use; `secrets` imports hmac too, hence `os.urandom` for our random
-# names); TLS and trio-asyncio's loop outside trio (_ssl, greenlet: pcc_plugin._first_use;
-# not ssl, which asyncio and grpclib look for, and find missing); and prometheus_client, a
-# dependency no more.
+# Never needed to register, each loaded only by the command or option that uses it: the
+# doctor, the simulator, profiles and their YAML (--config), and googleapis' status protos
+# (grpclib's error details, which the plugin neither sends nor reads).
 NOT_NEEDED_TO_REGISTER = (
     "pcc_plugin.doctor",
     "pcc_plugin.sim",
     "pcc_plugin.profiles",
     "yaml",
-    "h11",
-    "importlib.metadata",
-    "email",
-    "typing_extensions",
-    "json",
-    "shutil",
     "google",
-    "hmac",
-    "hashlib",
-    "idna",
-    "_ssl",
-    "greenlet",
-    "prometheus_client",
 )
 
 
