@@ -1,37 +1,32 @@
 """/metrics, /livez and /readyz over HTTP/1.1, parsed by h11, served by trio in the daemon.
 
 The port listens on every address of the pod, so any pod of the cluster can
-reach it: no client may end the daemon, hold it, or crowd out gRPC.
+reach it: no client may end the daemon, hold it, or crowd out kubelet's probes.
 
 - Each connection is one request and one answer, within `REQUEST_TIMEOUT` in
   all; a request head over `MAX_REQUEST_HEAD` bytes gets 431.
-- At most `MAX_CONNECTIONS` at once; others are closed at once, with one
-  warning per burst.
+- At most `MAX_CONNECTIONS` at once; at the limit the oldest connection that has
+  not sent a whole request head is closed to make room (pcc_plugin/connection_cap.py),
+  so a flood of half requests cannot keep a probe out.
 - A connection's end, however abrupt (a reset, a half request), ends only that
   connection; any other error in it is logged with its traceback and contained.
-- Rendering /metrics takes about 0.1 ms, so a flood of scrapes costs little
-  more than its HTTP (see BENCHMARKS.md for Allocate under a /metrics flood).
 
-Imported only when `--metrics-bind-address` is set; h11 only at the first
-request, so that nothing registration does not need is imported before it.
+Imported only when `--metrics-bind-address` is set.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
+import h11
 import trio
 
 from pcc_plugin import metrics
 from pcc_plugin.configuration import Configuration
-from pcc_plugin.grpc_server import ACCEPT_RETRY, RESOURCE_ERRORS
-from pcc_plugin.klog import V1, BurstLog
+from pcc_plugin.connection_cap import ConnectionCap
+from pcc_plugin.klog import V1
 from pcc_plugin.plugin import DevicePlugin
-
-if TYPE_CHECKING:
-    import h11
 
 log = logging.getLogger(__name__)
 
@@ -64,59 +59,49 @@ def answer(
     return 404, _TEXT, b"not found: try /metrics, /livez or /readyz\n"
 
 
+class _Exchange:
+    """One connection's request and answer, evicted by cancelling its scope."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope(deadline=trio.current_time() + REQUEST_TIMEOUT)
+        self.sent_request = False
+        self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+        self.scope.cancel()
+
+
 class HttpServer:
     def __init__(
         self, plugins: Sequence[DevicePlugin], render_metrics: Callable[[], bytes]
     ) -> None:
         self._plugins = plugins
         self._render_metrics = render_metrics
-        self._open = 0
-        self._refused = BurstLog(log, logging.WARNING)
-        self._accept_failed = BurstLog(log, logging.WARNING)
+        self.cap: ConnectionCap[_Exchange] = ConnectionCap(MAX_CONNECTIONS, "HTTP connections", log)
         self.errors = 0
-
-    async def accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
-        """Accept connections until cancelled; running out of descriptors is waited out."""
-        async with listener:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as exc:
-                    if exc.errno not in RESOURCE_ERRORS:
-                        raise
-                    self._accept_failed.log(
-                        "Cannot accept HTTP connections: %s; retrying", exc.strerror
-                    )
-                    await trio.sleep(ACCEPT_RETRY)
-                    continue
-                nursery.start_soon(self.handle, stream)
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """One connection. Never raises: its error must not end the server."""
-        import h11  # at the first request (see above); then a lookup in sys.modules
-
+        exchange = _Exchange()
+        if not self.cap.admit(exchange):
+            return
         try:
-            async with stream:
-                if self._open >= MAX_CONNECTIONS:
-                    self._refused.log(
-                        "%d HTTP connections open, the limit: closing new ones", self._open
-                    )
-                    return
-                self._open += 1
-                try:
-                    with trio.fail_after(REQUEST_TIMEOUT):
-                        await self._exchange(stream)
-                finally:
-                    self._open -= 1
+            with exchange.scope:
+                await self._exchange(stream, exchange)
+            if exchange.evicted:
+                log.log(V1, "HTTP connection closed to make room: it sent no request head")
+            elif exchange.scope.cancelled_caught:
+                log.log(V1, "HTTP connection closed: not done within %g s", REQUEST_TIMEOUT)
         except (*_ENDED, h11.ProtocolError) as exc:
             log.log(V1, "HTTP connection ended early: %s", exc or type(exc).__name__)
         except Exception:
             self.errors += 1
             log.exception("HTTP connection failed unexpectedly; closed it")
+        finally:
+            self.cap.leave(exchange)
 
-    async def _exchange(self, stream: trio.SocketStream) -> None:
-        import h11
-
+    async def _exchange(self, stream: trio.SocketStream, exchange: _Exchange) -> None:
         connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
         received = 0
         while True:
@@ -137,6 +122,7 @@ class HttpServer:
                 connection.receive_data(data)
                 continue
             if isinstance(event, h11.Request):
+                exchange.sent_request = True
                 if received > MAX_REQUEST_HEAD:
                     body = f"request head over {MAX_REQUEST_HEAD} bytes\n".encode()
                     await self._send(stream, connection, 431, _TEXT, body)
@@ -162,8 +148,6 @@ class HttpServer:
         *,
         head_only: bool = False,
     ) -> None:
-        import h11
-
         headers = [
             ("Content-Type", content_type),
             ("Content-Length", str(len(body))),
@@ -203,6 +187,5 @@ async def serve(
     bound = [listener.socket.getsockname()[:2] for listener in listeners]
     server = HttpServer(plugins, lambda: metrics.render(plugins, configuration))
     async with trio.open_nursery() as nursery:
-        for listener in listeners:
-            nursery.start_soon(server.accept, listener, nursery)
+        await nursery.start(trio.serve_listeners, server.handle, listeners)
         task_status.started(bound)

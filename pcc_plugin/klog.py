@@ -46,29 +46,63 @@ def configure(verbosity: int) -> None:
     # HTTP/2 frame and header tracing is for debugging h2 itself, not the plugin.
     for name in ("h2", "hpack", "asyncio", "trio-asyncio"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    accept_failures = logging.getLogger("trio.serve_listeners")
+    accept_failures.filters[:] = [OneWarningPerBurst()]
 
 
-class BurstLog:
-    """One line per burst of the same event, not one per occurrence.
+class _Bursts:
+    """Occurrences of one event, in bursts that end after `quiet` seconds without it."""
 
-    A burst ends after `quiet` seconds without the event; the first line of
-    the next one says how many the previous burst held after its first line.
-    """
-
-    def __init__(self, logger: logging.Logger, level: int, quiet: float = 10.0) -> None:
-        self._logger = logger
-        self._level = level
+    def __init__(self, quiet: float) -> None:
         self._quiet = quiet
         self._last: float | None = None
         self._suppressed = 0
 
-    def log(self, message: str, *args: Any) -> None:
+    def first_of_burst(self) -> str | None:
+        """For an occurrence that begins a burst, what to add to its line (how many the
+        previous burst held after its first); None for the rest of a burst."""
         now = time.monotonic()
-        if self._last is None or now - self._last > self._quiet:
-            if self._suppressed:
-                message += f" ({self._suppressed} more in the previous burst)"
-            self._logger.log(self._level, message, *args)
-            self._suppressed = 0
-        else:
-            self._suppressed += 1
+        starts = self._last is None or now - self._last > self._quiet
         self._last = now
+        if not starts:
+            self._suppressed += 1
+            return None
+        suffix = f" ({self._suppressed} more in the previous burst)" if self._suppressed else ""
+        self._suppressed = 0
+        return suffix
+
+
+class BurstLog:
+    """One line per burst of the same event, not one per occurrence."""
+
+    def __init__(self, logger: logging.Logger, level: int, quiet: float = 10.0) -> None:
+        self._logger = logger
+        self._level = level
+        self._bursts = _Bursts(quiet)
+
+    def log(self, message: str, *args: Any) -> None:
+        suffix = self._bursts.first_of_burst()
+        if suffix is not None:
+            self._logger.log(self._level, message + suffix, *args)
+
+
+class OneWarningPerBurst(logging.Filter):
+    """Lets the first record of each burst through, as a warning without a traceback.
+
+    trio's serve_listeners logs every accept() that fails for lack of descriptors or memory
+    as an error with its traceback, ten times a second while it lasts; the daemon waits it
+    out (README, "Limits") and says so once.
+    """
+
+    def __init__(self, quiet: float = 10.0) -> None:
+        super().__init__()
+        self._bursts = _Bursts(quiet)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        suffix = self._bursts.first_of_burst()
+        if suffix is None:
+            return False
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        record.msg = f"{record.msg}{suffix}"
+        return True

@@ -5,7 +5,7 @@
         ├── handle_signals           TERM/INT/QUIT stop; HUP reloads; USR1 logs this tree
         └── stop scope
             ├── http_server.serve    /metrics, /livez, /readyz (with a bind address)
-            │   └── HttpServer.accept → HttpServer.handle, one per connection
+            │   └── trio.serve_listeners → HttpServer.handle, one per connection
             ├── Resources.serve      the configuration; applies reloads
             │   └── supervise_resource, one per resource, in a cancel scope of its own
             │       ├── watch_health           inotify on the device's and mounts' parents
@@ -13,7 +13,8 @@
             │           ├── wait_for_directory until kubelet has created it
             │           └── generation nursery: cancelling it is how the plugin restarts
             │               ├── grpc_server.serve          the socket, a fresh name each time
-            │               │   └── Server.serve_connection, one per connection (below)
+            │               │   └── trio.serve_listeners → Server.serve_connection, one per
+            │               │       connection (below)
             │               ├── watch_plugin_dir           kubelet.sock created, own socket gone
             │               ├── follow_newer_instances     rollouts on older kubelets
             │               │   └── follow, one per newer instance of the resource
@@ -22,12 +23,11 @@
             │               └── forget_faults_when_stable
             └── watch_config_file    with --config: the file, or the ConfigMap's ..data swap
 
-A connection's requests run as asyncio tasks that grpclib's protocol starts
-(Connection.accept); the connection's trio task owns them: on its way out
-it closes the connection, which cancels them, and waits for them
-(grpc_server.TEARDOWN_GRACE at most). So when a generation's nursery is
-cancelled, nothing of it outlives it: tests/test_grpc_server.py checks that
-no request task is left.
+A connection's calls run as asyncio tasks that grpclib's protocol starts; the
+connection's trio task owns them: on its way out it closes the connection,
+which cancels them, and waits for them (grpc_server.TEARDOWN_GRACE at most).
+So when a generation's nursery is cancelled, nothing of it outlives it:
+tests/test_grpc_server.py checks that no call's task is left.
 
 A generation ends only by cancellation, through `Restart`, which records why.
 """

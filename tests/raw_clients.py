@@ -56,18 +56,30 @@ def call(
     timeout: float = 10.0,
 ) -> Outcome:
     """One request with `body` as its raw DATA; the server's answer."""
-    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         # Blocking: a unix socket's connect waits for room in a full backlog (a timeout would
         # make it fail at once with EAGAIN).
         sock.connect(str(socket_path))
         sock.settimeout(timeout)
-        connection.initiate_connection()
-        stream_id = connection.get_next_available_stream_id()
-        connection.send_headers(stream_id, request_headers(path, headers))
-        sock.sendall(connection.data_to_send())
-        # As fast as the server's flow control allows, until it answers (it may refuse early).
-        return _send_and_answer(sock, connection, stream_id, body, end_stream)
+        return call_on(sock, path, body, end_stream=end_stream, headers=headers)
+
+
+def call_on(
+    sock: socket.socket,
+    path: str,
+    body: bytes,
+    *,
+    end_stream: bool = True,
+    headers: list[tuple[str, str]] | None = None,
+) -> Outcome:
+    """`call` on a connected socket."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    stream_id = connection.get_next_available_stream_id()
+    connection.send_headers(stream_id, request_headers(path, headers))
+    sock.sendall(connection.data_to_send())
+    # As fast as the server's flow control allows, until it answers (it may refuse early).
+    return _send_and_answer(sock, connection, stream_id, body, end_stream)
 
 
 def _send_and_answer(

@@ -1,97 +1,107 @@
 """What the daemon relies on in its libraries beyond their documented API, pinned here.
 
-An upgrade of grpclib, h2 or trio-asyncio that changes one of these fails in this file first,
-and pcc_plugin/_grpclib.py (or bridge.py) is the one place to mend.
+pcc_plugin/_grpclib.py names three private parts of grpclib (`Server._protocol_factory`,
+`Server._mapping`, `Stream._stream`); an upgrade that changes one fails in this file first.
+The last tests pin what bridge.py corrects in trio-asyncio.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import contextvars
 import socket
+import struct
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-import grpclib.config
 import grpclib.const
-import grpclib.events
-import grpclib.protocol
-import grpclib.server
-import h2.settings
+import grpclib.exceptions
 import pytest
 import trio
 import trio_asyncio
+from raw_clients import Outcome, call_on, grpc_frame
 
 from pcc_plugin import _grpclib, bridge
 
+GRPCError = grpclib.exceptions.GRPCError
+Status = grpclib.const.Status
+ECHO = "/test.Service/Echo"
+UNIMPLEMENTED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT = 12, 8, 3
 
-def test_grpclib_server_configuration_takes_window_sizes_and_has_server_defaults() -> None:
-    config = grpclib.config.Configuration(
-        http2_connection_window_size=65_535, http2_stream_window_size=65_535
-    ).__for_server__()
-    assert config.http2_connection_window_size == 65_535
-    assert config.http2_stream_window_size == 65_535
-
-
-def test_grpclib_protocol_and_server_stream_signatures() -> None:
-    protocol = inspect.signature(grpclib.protocol.H2Protocol.__init__)
-    assert list(protocol.parameters)[1:] == ["handler", "config", "h2_config"]
-    stream = inspect.signature(grpclib.server.Stream.__init__)
-    assert list(stream.parameters)[1:6] == [
-        "stream", "method_name", "cardinality", "recv_type", "send_type",
-    ]  # fmt: skip
-    assert {"codec", "status_details_codec", "dispatch"} <= set(stream.parameters)
-    assert isinstance(grpclib.events._DispatchServerEvents(), object)
-    handler = grpclib.protocol.AbstractHandler
-    assert {"accept", "cancel", "close"} <= set(handler.__abstractmethods__)
+Method = Callable[[_grpclib.ServerStream], Coroutine[Any, Any, None]]
 
 
-async def test_an_accepted_connection_runs_grpclib_and_counts_its_streams() -> None:
-    """open_connection: the protocol and its `processor.streams`, on a socket pair."""
-    accepted: list[object] = []
+async def echo(stream: _grpclib.ServerStream) -> None:
+    prefix = await _grpclib.receive_exactly(stream, 5)
+    await stream.send_message(await _grpclib.receive_exactly(stream, prefix[4]))
 
-    class Recorder(_grpclib.Handler):
-        def accept(self, stream: object, headers: object, release_stream: object) -> None:
-            accepted.append(headers)
 
-        def cancel(self, stream: object) -> None:
-            pass
+async def unknown(path: str, stream: _grpclib.ServerStream) -> None:
+    raise GRPCError(Status.UNIMPLEMENTED, f"no {path}")
 
-        def close(self) -> None:
-            pass
 
-        def answer_at_once(self, protocol: object, request: object) -> bool:
-            return False
-
-        def received(self) -> None:
-            pass
-
+async def one_call(method: Method, path: str, body: bytes, *, end_stream: bool = True) -> Outcome:
+    """`method` served at ECHO by grpclib on one end of a socket pair; a raw HTTP/2 call to
+    `path` from the other."""
     server_side, client_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with client_side, trio.fail_after(10):
+    client_side.settimeout(5)
+    with client_side:
         async with bridge.asyncio_loop():
-            protocol = await _grpclib.accept(server_side, Recorder(), 65_535, 7)
-            assert _grpclib.open_streams(protocol) == 0
-            # The server speaks first: its SETTINGS, with our stream limit in them.
-            client_side.settimeout(5)
-            settings = await trio.to_thread.run_sync(client_side.recv, 65536)
-            max_streams = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
-            assert max_streams.to_bytes(2, "big") + (7).to_bytes(4, "big") in settings
-            protocol.connection.close()
+            grpc = _grpclib.server({ECHO: (method, False)}, unknown, 65_535)
+            transport, _ = await bridge.call_asyncio(
+                asyncio.get_running_loop().connect_accepted_socket,
+                lambda: _grpclib.protocol(grpc),
+                server_side,
+            )
+            try:
+                return await trio.to_thread.run_sync(
+                    lambda: call_on(client_side, path, body, end_stream=end_stream)
+                )
+            finally:
+                transport.abort()
 
 
-async def test_receive_exactly_maps_a_short_stream_to_stream_ended() -> None:
-    """grpclib's buffer raises AssertionError when the stream ends before `n` bytes."""
+async def test_grpclib_serves_a_connection_it_did_not_accept() -> None:
+    """`Server._protocol_factory`, with grpclib's codec given our bytes both ways."""
+    with trio.fail_after(10):
+        outcome = await one_call(echo, ECHO, grpc_frame(b"\x04\x00\x00\x00\x03abc"))
+    assert outcome == Outcome(0, "")
 
-    async def short() -> None:
-        buffer = grpclib.protocol.Buffer(lambda size: None)
-        buffer.add(b"ab", 2)
-        buffer.eof()
-        stream = grpclib.protocol.Stream.__new__(grpclib.protocol.Stream)
-        stream.buffer = buffer
-        with pytest.raises(_grpclib.StreamEnded):
-            await _grpclib.receive_exactly(stream, 5)
+
+@pytest.mark.parametrize("path", ["/test.Service/Nope", "/test.Service/Echo/../Nope", "nope"])
+async def test_an_unknown_path_goes_to_the_fallback_which_knows_it(path: str) -> None:
+    """`Server._mapping`: grpclib looks methods up with its `get`."""
+    with trio.fail_after(10):
+        outcome = await one_call(echo, path, grpc_frame(b""))
+    assert outcome == Outcome(UNIMPLEMENTED, f"no {path}")
+
+
+async def test_the_prefix_is_read_without_waiting_for_the_message() -> None:
+    """`Stream._stream.recv_data`: five bytes come back once five are there, while the
+    client still has a megabyte to send (grpclib's own reader would wait for all of it)."""
+
+    async def refuse(stream: _grpclib.ServerStream) -> None:
+        prefix = await _grpclib.receive_exactly(stream, 5)
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"declared {int.from_bytes(prefix[1:])}")
+
+    declared = struct.pack(">?I", False, 1 << 20) + b"only this"
+    with trio.fail_after(10):
+        outcome = await one_call(refuse, ECHO, declared, end_stream=False)
+    assert outcome == Outcome(RESOURCE_EXHAUSTED, f"declared {1 << 20}")
+
+
+async def test_a_stream_that_ends_short_is_stream_ended() -> None:
+    """`recv_data` raises AssertionError when the stream ends before `n` bytes came."""
+
+    async def read_too_much(stream: _grpclib.ServerStream) -> None:
+        try:
+            await _grpclib.receive_exactly(stream, 100)
+        except _grpclib.StreamEnded as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
 
     with trio.fail_after(10):
-        async with bridge.asyncio_loop():
-            await bridge.call_asyncio(short)
+        outcome = await one_call(read_too_much, ECHO, b"\0" * 10)
+    assert outcome == Outcome(INVALID_ARGUMENT, "the stream ended before the 100 bytes announced")
 
 
 async def test_trio_asyncio_raises_an_asyncio_callbacks_error_unless_handled() -> None:
@@ -110,11 +120,22 @@ async def test_trio_asyncio_raises_an_asyncio_callbacks_error_unless_handled() -
     assert raised.group_contains(RuntimeError, match="boom")
 
 
-def test_cardinalities_used_for_answers_exist() -> None:
-    assert grpclib.const.Cardinality.UNARY_UNARY.server_streaming is False
-    assert grpclib.const.Cardinality.UNARY_STREAM.server_streaming is True
+async def test_a_task_started_in_a_callback_keeps_the_callbacks_context() -> None:
+    """grpc_server.CONNECTION: a call's task, started while grpclib reads its connection's
+    bytes, sees the connection set there (asyncio copies the context into a new task)."""
+    current: contextvars.ContextVar[str] = contextvars.ContextVar("current")
 
+    async def started_in_a_callback() -> str:
+        async def read() -> str:
+            return current.get("unset")
 
-def test_asyncio_has_timeout_and_connect_accepted_socket() -> None:
-    assert hasattr(asyncio, "timeout")
-    assert hasattr(asyncio.AbstractEventLoop, "connect_accepted_socket")
+        token = current.set("this connection")
+        try:
+            task = asyncio.get_running_loop().create_task(read())
+        finally:
+            current.reset(token)
+        return await task
+
+    with trio.fail_after(10):
+        async with bridge.asyncio_loop():
+            assert await bridge.call_asyncio(started_in_a_callback) == "this connection"
