@@ -346,3 +346,35 @@ async def test_http_floods_and_slow_clients_are_bounded(
             for sock in slow:
                 sock.close()
         await kubelet_unharmed(kubelet, daemon)
+
+
+async def test_probes_are_answered_while_a_thousand_half_requests_wait(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    """Kubelet's liveness and readiness probes get through a flood of connections that each
+    sent half a request head: the oldest of those makes room for each newcomer."""
+    with trio.fail_after(60), more_open_files():
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        await serving(kubelet)
+        await log_line(daemon, "Registered device plugin with Kubelet")
+        port = await metrics_port(daemon)
+
+        def half_requests() -> list[socket.socket]:
+            held = []
+            for _ in range(1000):
+                sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                sock.sendall(b"GET /livez HTTP/1.1\r\nHos")
+                held.append(sock)
+            return held
+
+        flood = await run_blocking(half_requests)
+        try:
+            for path in (b"/livez", b"/readyz"):
+                # Within the 1 s a kubelet probe waits by default (timeoutSeconds).
+                request = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+                answer = await run_blocking(http_get, "127.0.0.1", port, request, timeout=1.0)
+                assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        finally:
+            for sock in flood:
+                sock.close()
+        await kubelet_unharmed(kubelet, daemon)
