@@ -131,6 +131,37 @@ async def test_a_storm_of_300_kubelet_restarts_leaks_nothing(
     assert_no_traceback(daemon)
 
 
+QUICK_RESTARTS = 20
+QUICK_RESTART_PAUSE = 0.2
+
+
+@pytest.mark.parametrize("how", ["restart", "crash"], ids=["SIGTERM", "SIGKILL"])
+async def test_kubelet_restarts_in_quick_succession_are_each_answered_at_once(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon, how: str
+) -> None:
+    """A kubelet restart is never a fault to back off from, however often it comes: each new
+    kubelet has the plugin's Register within 100 ms of serving, though each comes 0.2 s
+    after the plugin was back (stopped, or killed with its kubelet.sock left behind)."""
+    waits = []
+    with trio.fail_after(90):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        await serving(kubelet)
+        for restart in range(1, QUICK_RESTARTS + 1):
+            await trio.sleep(QUICK_RESTART_PAUSE)  # the pace of the scenario, not a wait
+            await run_blocking(kubelet.restart if how == "restart" else kubelet.crash)
+            if how == "crash":
+                await run_blocking(kubelet.start)
+            await serving(kubelet, registrations=restart + 1)
+            first = min(
+                registration.received_at
+                for registration in kubelet.registrations
+                if registration.received_at >= kubelet.serving_since
+            )
+            waits.append(first - kubelet.serving_since)
+    assert max(waits) < 0.1, [f"{wait * 1000:.0f} ms" for wait in waits]
+    assert_no_traceback(daemon)
+
+
 async def test_kubelet_dies_while_a_device_list_is_on_its_way(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:

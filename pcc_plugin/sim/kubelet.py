@@ -109,6 +109,8 @@ class SimKubelet:
         # Bumped by every stop, so work begun for an earlier kubelet instance is discarded.
         self._generation = 0
         self._register_calls = 0
+        # When this kubelet last began serving Registration (time.monotonic()).
+        self.serving_since = 0.0
         self._registrations: list[Registration] = []
         self._events: list[str] = []
         self._resources: dict[str, ResourceState] = {}
@@ -160,6 +162,7 @@ class SimKubelet:
         with self._changed:
             self._server = server
             self._executor = executor
+            self.serving_since = time.monotonic()
             self._record(f"kubelet serving Registration on {self.socket_path}")
 
     def stop(self) -> None:
