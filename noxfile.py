@@ -35,6 +35,16 @@ def install_dev(session: nox.Session) -> None:
 
 # Tests mostly wait on daemons and sockets, so more workers than cores still pay.
 TEST_WORKERS = "4"
+# What the default tests run with besides the project and its [sim] extra.
+TEST_TOOLS = ("pytest", "pytest-trio", "pytest-xdist", "hypothesis", "prometheus-client",
+              "jsonschema")  # fmt: skip
+
+
+def run_default_tests(session: nox.Session) -> None:
+    session.run(
+        "pytest", "-n", TEST_WORKERS, "-m", "not slow", "--ignore=tests/test_manifests.py",
+        *session.posargs,
+    )  # fmt: skip
 
 
 @nox.session
@@ -48,10 +58,55 @@ def tests(session: nox.Session) -> None:
     session.log("covers: flags, wire format, gRPC server limits, registration, restarts, "
                 "health, metrics, doctor, profiles, CDI, live configuration, signals, rollouts "
                 "(slow layers: nox -s slow manifests image e2e)")  # fmt: skip
+    run_default_tests(session)
+
+
+def locked(*names: str) -> list[str]:
+    """`name==version` of each, as requirements/dev.txt locks it."""
+    pins = re.findall(
+        r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "requirements" / "dev.txt").read_text(), re.M
+    )
+    versions = {name.lower(): version for name, version in pins}
+    return [f"{name}=={versions[name]}" for name in names]
+
+
+def log_versions(session: nox.Session, *names: str) -> None:
     session.run(
-        "pytest", "-n", TEST_WORKERS, "-m", "not slow", "--ignore=tests/test_manifests.py",
-        *session.posargs,
+        "python", "-c",
+        "import sys; from importlib.metadata import version; "
+        "print(', '.join(f'{n} {version(n)}' for n in sys.argv[1:]))",
+        *names,
     )  # fmt: skip
+
+
+DEPENDENCIES = ("trio", "trio-asyncio", "grpclib", "h2", "hpack", "betterproto2", "asyncinotify",
+         "attrs", "h11", "pyyaml", "grpcio", "protobuf")  # fmt: skip
+
+
+@nox.session
+def tests_lowest(session: nox.Session) -> None:
+    """The default tests on the lowest version pyproject.toml allows of each dependency it
+    names (uv's lowest-direct resolution), the test tools as locked."""
+    session.install("--resolution", "lowest-direct", "-e", ".[sim]", *locked(*TEST_TOOLS))
+    log_versions(session, *DEPENDENCIES)
+    run_default_tests(session)
+
+
+@nox.session
+def tests_lowest_h2(session: nox.Session) -> None:
+    """The default tests with the lowest h2 and hpack that pyproject.toml allows (grpclib's
+    HTTP/2 underneath), everything else as locked."""
+    install_dev(session)
+    resolved = session.run(
+        _uv(), "pip", "compile", "--quiet", "--no-header", "--resolution", "lowest-direct",
+        "--python-version", LOCK_PYTHON, "pyproject.toml",
+        external=True, silent=True,
+    )  # fmt: skip
+    assert isinstance(resolved, str)
+    floors = re.findall(r"^(?:h2|hpack)==\S+", resolved, re.M)
+    session.install(*floors)
+    log_versions(session, *DEPENDENCIES)
+    run_default_tests(session)
 
 
 @nox.session

@@ -270,13 +270,19 @@ class _Observed(asyncio.Protocol):
         self._connection.lost()
 
 
-class _OneAtATime(trio.abc.Listener[trio.SocketStream]):
-    """The socket's listener for trio.serve_listeners: it accepts a connection only once the
-    one before it is set up (or refused), so a flood is accepted no faster than it is dealt
-    with, and holds no more descriptors than the connections served."""
+class Listener(trio.abc.Listener[trio.SocketStream]):
+    """The socket, as trio.serve_listeners accepts from it.
 
-    def __init__(self, listener: trio.SocketListener) -> None:
-        self._listener = listener
+    It accepts a connection only once the one before it is set up (or refused), so a flood
+    is accepted no faster than it is dealt with, and holds no more descriptors than the
+    connections served. Closed, it removes its file if that is still ours, at once: a
+    socket that takes no connections is stale to whoever looks (another instance).
+    """
+
+    def __init__(self, sock: socket.socket, path: Path, own: Identity) -> None:
+        self._listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+        self._path = path
+        self._own = own
         self._ready = trio.Event()
         self._ready.set()
 
@@ -292,6 +298,11 @@ class _OneAtATime(trio.abc.Listener[trio.SocketStream]):
 
     async def aclose(self) -> None:
         await self._listener.aclose()
+        if identity(self._path) == self._own:
+            try:
+                os.unlink(self._path)
+            except OSError as exc:
+                log.log(V1, "Cannot remove %s: %s", self._path, exc.strerror)
 
 
 # Told of a bug: where (a method's path, or "connection") and the exception.
@@ -320,7 +331,7 @@ class Server:
 
     async def serve(
         self,
-        listener: socket.socket,
+        listener: Listener,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -333,26 +344,25 @@ class Server:
             _unknown_method,
             WINDOW,
         )
-        accepting = _OneAtATime(trio.SocketListener(trio.socket.from_stdlib_socket(listener)))
-        handler = functools.partial(self.serve_connection, accepting)
+        handler = functools.partial(self.serve_connection, listener)
         async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, handler, [accepting])
+            await nursery.start(trio.serve_listeners, handler, [listener])
             task_status.started()
 
-    async def serve_connection(self, accepting: _OneAtATime, stream: trio.SocketStream) -> None:
+    async def serve_connection(self, listener: Listener, stream: trio.SocketStream) -> None:
         """Serve one connection until it ends or must be closed; never raises."""
         connection = Connection()
         # asyncio's transport owns the socket from here.
         sock = socket.socket(fileno=stream.socket.detach())
         if not self.cap.admit(connection):
             sock.close()
-            accepting.next_one()
+            listener.next_one()
             return
         try:
             try:
                 await call_asyncio(self._set_up, connection, sock)
             finally:
-                accepting.next_one()
+                listener.next_one()
             await self._watch(connection)
         except OSError as exc:
             log.log(V1, "%s failed: %s", connection, exc)
@@ -478,19 +488,16 @@ def bind(path: Path) -> tuple[socket.socket, Identity]:
 
 async def serve(
     server: Server,
-    listener: socket.socket,
+    sock: socket.socket,
     path: Path,
     own: Identity,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve on `listener` until cancelled; then close it and remove its file if still ours."""
+    """Serve on `sock` until cancelled; then close it and remove its file if still ours."""
+    listener = Listener(sock, path, own)
     try:
         await server.serve(listener, task_status=task_status)
     finally:
-        listener.close()
-        if identity(path) == own:
-            try:
-                os.unlink(path)
-            except OSError as exc:
-                log.log(V1, "Cannot remove %s: %s", path, exc.strerror)
+        with trio.CancelScope(shield=True):
+            await listener.aclose()
