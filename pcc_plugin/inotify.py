@@ -51,6 +51,11 @@ def open_inotify() -> Iterator[Inotify]:
 async def next_events(inotify: Inotify) -> list[Event]:
     """Wait for events, then return all that are pending."""
     await trio.lowlevel.wait_readable(inotify.fd)
+    return pending_events(inotify)
+
+
+def pending_events(inotify: Inotify) -> list[Event]:
+    """The events that are pending now, if any."""
     events: list[Event] = []
     while True:
         try:

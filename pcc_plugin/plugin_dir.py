@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import trio
-from asyncinotify import Event, Mask
+from asyncinotify import Event, Inotify, Mask
 
 from pcc_plugin.fs import Identity, connect_error, identity
-from pcc_plugin.inotify import APPEARED, DIR_GONE, VANISHED, next_events, open_inotify
+from pcc_plugin.inotify import APPEARED, DIR_GONE, VANISHED, next_events, pending_events
 from pcc_plugin.klog import V1
 
 log = logging.getLogger(__name__)
@@ -73,12 +73,18 @@ def remove_stale_sockets(plugin_dir: Path, prefix: str, keep: str) -> None:
 
 
 def restart_reason(
-    events: list[Event], plugin_dir: Path, endpoint: str, own: Identity
+    events: list[Event],
+    plugin_dir: Path,
+    endpoint: str,
+    own: Identity,
+    kubelet_seen: Identity | None,
 ) -> str | None:
     """Why a batch of events calls for a restart, or None; logs what it sees.
 
     Our socket is known by its identity, not its name: deleted, or replaced by
-    a file or by someone else's socket, it is no longer ours to serve on.
+    a file or by someone else's socket, it is no longer ours to serve on. So is
+    kubelet.sock: only another than the one this generation saw (`kubelet_seen`)
+    is a kubelet restart; an event about the one it saw came before it looked.
     """
     kubelet_socket = plugin_dir / KUBELET_SOCKET
     names: dict[str, Mask] = {}
@@ -93,9 +99,11 @@ def restart_reason(
         return "inotify queue overflow"
     # Anything new at kubelet.sock restarts, so the registration looks at it
     # afresh (and reports a file that is not a socket); gone again: nothing.
-    if names.get(KUBELET_SOCKET, Mask(0)) & APPEARED and kubelet_socket.exists():
-        log.info("inotify: %s created, restarting.", kubelet_socket)
-        return KUBELET_RESTARTED
+    if names.get(KUBELET_SOCKET, Mask(0)) & APPEARED:
+        now = identity(kubelet_socket)
+        if now is not None and now != kubelet_seen:
+            log.info("inotify: %s created, restarting.", kubelet_socket)
+            return KUBELET_RESTARTED
     if endpoint in names:
         reason = own_socket_problem(plugin_dir / endpoint, own)
         if reason:
@@ -114,32 +122,46 @@ def own_socket_problem(path: Path, own: Identity) -> str | None:
 
 
 async def watch_plugin_dir(
+    inotify: Inotify,
     plugin_dir: Path,
     endpoint: str,
     own: Identity,
     restart: Callable[[str], None],
+    appeared: Callable[[list[str]], None],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Call `restart(reason)` when kubelet restarts, our socket goes, or the directory goes.
+    """Call `restart(reason)` when kubelet restarts, our socket goes, or the directory goes;
+    tell `appeared` the names of the files that appear meanwhile.
 
-    Started once the watch is in place and our socket was seen still ours, so
-    whatever happens after that is seen. Events are hints: the state is looked
-    up again before acting on them.
+    `inotify` outlives the generation (see `serve_kubelet`): events of the
+    directory that came between generations are read here too. Started once
+    the watch is in place and our socket was seen still ours, so whatever happens
+    after that is seen. Events are hints: the state is looked up again before
+    acting on them.
     """
-    with open_inotify() as inotify:
-        try:
-            inotify.add_watch(plugin_dir, APPEARED | VANISHED | DIR_GONE | Mask.ONLYDIR)
-        except (FileNotFoundError, NotADirectoryError):
-            task_status.started()
-            restart(f"{plugin_dir} disappeared")
-            return
+    try:
+        inotify.add_watch(plugin_dir, APPEARED | VANISHED | DIR_GONE | Mask.ONLYDIR)
+    except (FileNotFoundError, NotADirectoryError):
         task_status.started()
-        # Watch first, then look: a change before the watch is caught here.
-        reason = own_socket_problem(plugin_dir / endpoint, own)
+        restart(f"{plugin_dir} disappeared")
+        return
+    task_status.started()
+    # Watch first, then look: a change before the watch is caught here. The events that came
+    # before are read with the look: they restart this generation only if they still hold,
+    # and start no follower (those instances came before this one registered).
+    kubelet_seen = identity(plugin_dir / KUBELET_SOCKET)
+    problem = own_socket_problem(plugin_dir / endpoint, own)
+    reason = f"own socket {problem}" if problem else None
+    reason = reason or restart_reason(
+        pending_events(inotify), plugin_dir, endpoint, own, kubelet_seen
+    )
+    if reason:
+        restart(reason)
+    while True:
+        events = await next_events(inotify)
+        reason = restart_reason(events, plugin_dir, endpoint, own, kubelet_seen)
         if reason:
-            restart(f"own socket {reason}")
-        while True:
-            reason = restart_reason(await next_events(inotify), plugin_dir, endpoint, own)
-            if reason:
-                restart(reason)
+            restart(reason)
+        else:
+            appeared([str(e.name) for e in events if e.name is not None and e.mask & APPEARED])

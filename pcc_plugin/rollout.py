@@ -17,10 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import trio
-from asyncinotify import Mask
 
 from pcc_plugin import grpc_clients
-from pcc_plugin.inotify import APPEARED, next_events, open_inotify
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import accepts_connections, is_own_socket
 from pcc_plugin.registration import Backoff, KubeletLink
@@ -35,33 +33,38 @@ REFOLLOW_CAP = 1.0
 SUPERSEDER_GONE = "the instance that registered after this one is gone"
 
 
-async def follow_newer_instances(
-    plugin_dir: Path,
-    prefix: str,
-    own_stem: str,
-    link: KubeletLink,
-    restart: Callable[[str], None],
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Follow each socket of this resource that another instance creates once our Register
-    was sent; when one's process is gone, `restart` (and so register again)."""
-    with open_inotify() as inotify:
-        inotify.add_watch(plugin_dir, APPEARED | Mask.ONLYDIR)
-        task_status.started()
-        followed: set[str] = set()
-        async with trio.open_nursery() as nursery:
-            while True:
-                for event in await next_events(inotify):
-                    name = str(event.name) if event.name is not None else ""
-                    if (
-                        link.register != "not sent"
-                        and is_own_socket(prefix, name)
-                        and not name.startswith(own_stem)
-                        and name not in followed
-                    ):
-                        followed.add(name)
-                        nursery.start_soon(follow, plugin_dir / name, restart)
+class Followers:
+    """Follows each socket of this resource that another instance creates once our Register
+    was sent, in a task of the generation's nursery; when one's process is gone, `restart`
+    (and so register again). Told of new files by the directory's watcher."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        plugin_dir: Path,
+        prefix: str,
+        own_stem: str,
+        link: KubeletLink,
+        restart: Callable[[str], None],
+    ) -> None:
+        self._nursery = nursery
+        self._plugin_dir = plugin_dir
+        self._prefix = prefix
+        self._own_stem = own_stem
+        self._link = link
+        self._restart = restart
+        self._followed: set[str] = set()
+
+    def appeared(self, names: list[str]) -> None:
+        for name in names:
+            if (
+                self._link.register != "not sent"
+                and is_own_socket(self._prefix, name)
+                and not name.startswith(self._own_stem)
+                and name not in self._followed
+            ):
+                self._followed.add(name)
+                self._nursery.start_soon(follow, self._plugin_dir / name, self._restart)
 
 
 async def follow(path: Path, restart: Callable[[str], None]) -> None:

@@ -9,15 +9,15 @@
             ├── Resources.serve      the configuration; applies reloads
             │   └── supervise_resource, one per resource, in a cancel scope of its own
             │       ├── watch_health           inotify on the device's and mounts' parents
-            │       └── serve_kubelet          one generation after another
+            │       └── serve_kubelet          one generation after another (one inotify)
             │           ├── wait_for_directory until kubelet has created it
             │           └── generation nursery: cancelling it is how the plugin restarts
             │               ├── grpc_server.serve          the socket, a fresh name each time
             │               │   └── trio.serve_listeners → Server.serve_connection, one per
             │               │       connection (below)
             │               ├── watch_plugin_dir           kubelet.sock created, own socket gone
-            │               ├── follow_newer_instances     rollouts on older kubelets
-            │               │   └── follow, one per newer instance of the resource
+            │               ├── follow, one per newer instance of the resource (rollouts on
+            │               │   older kubelets), started when watch_plugin_dir sees its socket
             │               ├── register_with_kubelet      once serving; retries with backoff
             │               ├── reregister_when_stream_ends
             │               └── forget_faults_when_stable
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import attrs
 import trio
+from asyncinotify import Inotify
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin._proto import v1beta1 as api
@@ -49,7 +50,7 @@ from pcc_plugin.configuration import Configuration, watch_config_file
 from pcc_plugin.errors import FatalError
 from pcc_plugin.flags import Flags
 from pcc_plugin.health import watch_health
-from pcc_plugin.inotify import wait_for_directory
+from pcc_plugin.inotify import open_inotify, wait_for_directory
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.plugin_dir import SocketNames, remove_stale_sockets, watch_plugin_dir
@@ -64,7 +65,7 @@ from pcc_plugin.registration import (
     reregister_when_stream_ends,
 )
 from pcc_plugin.resource import ResourceSpec
-from pcc_plugin.rollout import follow_newer_instances
+from pcc_plugin.rollout import Followers
 from pcc_plugin.service import DevicePluginService
 from pcc_plugin.stats import ResourceStats
 
@@ -322,31 +323,43 @@ class Ending:
 
 
 async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin, resource_backoff: Backoff) -> None:
-    """One generation after another. Faults back to back wait, an isolated one does not."""
+    """One generation after another. Faults back to back wait, an isolated one does not.
+
+    The directory's inotify instance lasts as long as this does: closing one that has a
+    watch blocks the thread until the kernel has torn the watch down (some 10 ms), and a
+    kubelet restart, which ends a generation, is when every millisecond counts.
+    """
     names = SocketNames(plugin.spec.socket_prefix)
     restarts = Backoff(immediate_first=True)
     reachability = Reachability()
     cause = "start"
-    while True:
-        plugin.stats.registered = False
-        plugin.stats.waiting_for = f"waiting for {plugin_dir} to be created"
-        await wait_for_directory(plugin_dir)
-        plugin.stats.generation += 1
-        ending = await serve_generation(
-            plugin_dir, plugin, next(names), names.stem, cause, reachability,
-            (restarts, resource_backoff),
-        )  # fmt: skip
-        plugin.stats.last_restart_reason = ending.reason
-        log.log(V1, "Restarting the device plugin server: %s", ending.reason)
-        cause = ending.reason
-        if ending.fault:
-            plugin.stats.restart_delay = restarts.next_delay()
-            await trio.sleep(plugin.stats.restart_delay)
+    with open_inotify() as inotify:
+        while True:
+            plugin.stats.registered = False
+            plugin.stats.waiting_for = f"waiting for {plugin_dir} to be created"
+            await wait_for_directory(plugin_dir)
+            plugin.stats.generation += 1
+            ending = await serve_generation(
+                plugin_dir, plugin, inotify, next(names), names.stem, cause, reachability,
+                (restarts, resource_backoff),
+            )  # fmt: skip
+            cause = await after_generation(plugin, ending, restarts)
+
+
+async def after_generation(plugin: DevicePlugin, ending: Ending, restarts: Backoff) -> str:
+    """Say why the generation ended, and wait if that was a fault; the cause of the next."""
+    plugin.stats.last_restart_reason = ending.reason
+    log.log(V1, "Restarting the device plugin server: %s", ending.reason)
+    if ending.fault:
+        plugin.stats.restart_delay = restarts.next_delay()
+        await trio.sleep(plugin.stats.restart_delay)
+    return ending.reason
 
 
 async def serve_generation(
     plugin_dir: Path,
     plugin: DevicePlugin,
+    inotify: Inotify,
     endpoint: str,
     stem: str,
     cause: str,
@@ -375,13 +388,13 @@ async def serve_generation(
             return serving_failed(plugin, path, exc)
         # grpc_server.serve owns the listener from here, and closes it however it ends.
         await nursery.start(grpc_server.serve, server, listener, path, own)
-        await nursery.start(watch_plugin_dir, plugin_dir, endpoint, own, restart)
+        followers = Followers(nursery, plugin_dir, plugin.spec.socket_prefix, stem, link, restart)
+        await nursery.start(
+            watch_plugin_dir, inotify, plugin_dir, endpoint, own, restart, followers.appeared
+        )
         if plugin.stats.serving_problem is not None:
             log.info("Serving in %s again, after: %s", plugin_dir, plugin.stats.serving_problem)
             plugin.stats.serving_problem = None
-        await nursery.start(
-            follow_newer_instances, plugin_dir, plugin.spec.socket_prefix, stem, link, restart
-        )
         nursery.start_soon(
             register_with_kubelet, plugin_dir, request, plugin.stats, cause, link, reachability
         )

@@ -62,22 +62,29 @@ def test_restart_reasons(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
         own = identity(tmp_path / own_name)
         assert own is not None
         checkpoint = [event("kubelet_internal_checkpoint", Mask.CREATE)]
-        assert restart_reason(checkpoint, tmp_path, own_name, own) is None
+        assert restart_reason(checkpoint, tmp_path, own_name, own, None) is None
         # kubelet.sock created and gone again in one batch: nothing to register with yet.
         created = [event("kubelet.sock", Mask.DELETE), event("kubelet.sock", Mask.CREATE)]
-        assert restart_reason(created, tmp_path, own_name, own) is None
+        assert restart_reason(created, tmp_path, own_name, own, None) is None
         with bind_socket(tmp_path / "kubelet.sock"):
-            assert restart_reason(created, tmp_path, own_name, own) == "kubelet restarted"
+            new = restart_reason(created, tmp_path, own_name, own, None)
+            assert new == "kubelet restarted"
             assert f"inotify: {tmp_path}/kubelet.sock created, restarting." in caplog.messages
             moved = [event("kubelet.sock", Mask.MOVED_TO)]
-            assert restart_reason(moved, tmp_path, own_name, own) == "kubelet restarted"
+            assert restart_reason(moved, tmp_path, own_name, own, None) == "kubelet restarted"
+            # The kubelet.sock the generation saw when it began: the event came before.
+            seen = identity(tmp_path / "kubelet.sock")
+            assert restart_reason(moved, tmp_path, own_name, own, seen) is None
         # Our own socket, still ours: an event about its name is no reason.
-        assert restart_reason([event(own_name, Mask.CREATE)], tmp_path, own_name, own) is None
+        ours = [event(own_name, Mask.CREATE)]
+        assert restart_reason(ours, tmp_path, own_name, own, None) is None
     overflow = [event(None, Mask.Q_OVERFLOW)]
-    assert restart_reason(overflow, tmp_path, own_name, own) == "inotify queue overflow"
+    assert restart_reason(overflow, tmp_path, own_name, own, None) == "inotify queue overflow"
     gone = [event(None, Mask.DELETE_SELF)]
-    assert restart_reason(gone, tmp_path, own_name, own) == "device-plugin directory removed"
-    assert restart_reason([], tmp_path / "gone", own_name, own) == (
+    assert restart_reason(gone, tmp_path, own_name, own, None) == (
+        "device-plugin directory removed"
+    )
+    assert restart_reason([], tmp_path / "gone", own_name, own, None) == (
         "device-plugin directory removed"
     )
 
@@ -95,8 +102,8 @@ def test_own_socket_is_known_by_identity_not_name(tmp_path: Path, replacement: s
         events = [event(own_name, Mask.DELETE), event(own_name, Mask.CREATE)]
         if replacement == "another socket":
             with bind_socket(path):
-                reason = restart_reason(events, tmp_path, own_name, own)
+                reason = restart_reason(events, tmp_path, own_name, own, None)
         else:
-            reason = restart_reason(events, tmp_path, own_name, own)
+            reason = restart_reason(events, tmp_path, own_name, own, None)
     expected = "was removed" if replacement == "nothing" else "was replaced by another file"
     assert reason == f"own socket {expected}"
