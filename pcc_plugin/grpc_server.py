@@ -275,8 +275,8 @@ class Listener(trio.abc.Listener[trio.SocketStream]):
 
     It accepts a connection only once the one before it is set up (or refused), so a flood
     is accepted no faster than it is dealt with, and holds no more descriptors than the
-    connections served. Closed, it removes its file if that is still ours, at once: a
-    socket that takes no connections is stale to whoever looks (another instance).
+    connections served. Closed, it removes its file first if that is still ours: a socket
+    that takes no connections is stale to whoever looks (another instance).
     """
 
     def __init__(self, sock: socket.socket, path: Path, own: Identity) -> None:
@@ -297,12 +297,13 @@ class Listener(trio.abc.Listener[trio.SocketStream]):
         self._ready.set()
 
     async def aclose(self) -> None:
-        await self._listener.aclose()
+        # The name first: whoever finds the file finds it listening.
         if identity(self._path) == self._own:
             try:
                 os.unlink(self._path)
             except OSError as exc:
                 log.log(V1, "Cannot remove %s: %s", self._path, exc.strerror)
+        await self._listener.aclose()
 
 
 # Told of a bug: where (a method's path, or "connection") and the exception.
