@@ -97,7 +97,7 @@ def _configure_and_import(argv: Sequence[str]) -> tuple[Flags, list[ResourceSpec
     """The flags read and the node checked (or the version or a usage error printed, and an
     exit), then the daemon imported."""
     from pcc_plugin import flags, klog
-    from pcc_plugin.resource import health_problem
+    from pcc_plugin.resource import pcc_start_problem
 
     config, wants_version = flags.parse(argv, flags.PROG, DESCRIPTION, EPILOG)
     if wants_version:
@@ -106,7 +106,7 @@ def _configure_and_import(argv: Sequence[str]) -> tuple[Flags, list[ResourceSpec
     klog.configure(config.verbosity)
     specs, digest = flags.resources(config, flags.PROG)
     if not config.config:
-        problem = health_problem(specs[0], config.host_root)
+        problem = pcc_start_problem(specs[0], config.host_root)
         if problem:
             log.error("%s", problem)
             sys.exit(1)

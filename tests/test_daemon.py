@@ -214,15 +214,31 @@ async def test_removes_dead_sockets_of_its_own_and_keeps_live_ones(
         assert live.is_socket()
 
 
+# What the fatal line says to check, after the phrase operators search for: the doctor's fixes.
+CHECK_THE_DEVICE = (
+    "; check /dev/sev-guest on the node: on an SEV-SNP guest, load its sev-guest driver "
+    "(modprobe sev-guest); a node that is not one has no PCC device: remove its label "
+    "tke.cloud.tencent.com/pcc-device-plugin"
+)
+CHECK_THE_DIRECTORY = (
+    "; check /var/run/pcc on the node: start the PCC service on the node, which creates the "
+    "directory; never create it by hand: an empty one hides a node whose PCC service does not run"
+)
+
+
 @pytest.mark.parametrize(
     ("breakage", "message"),
     [
-        ("missing device", "detect device {host}/dev/sev-guest failed: No such file or directory"),
-        ("regular file", "detect device {host}/dev/sev-guest failed: not a character device"),
-        ("missing dir", "detect socket path {host}/var/run/pcc failed: No such file or directory"),
+        ("missing device",
+         "detect device {host}/dev/sev-guest failed: No such file or directory" + CHECK_THE_DEVICE),
+        ("regular file",
+         "detect device {host}/dev/sev-guest failed: not a character device" + CHECK_THE_DEVICE),
+        ("missing dir",
+         "detect socket path {host}/var/run/pcc failed: No such file or directory"
+         + CHECK_THE_DIRECTORY),
     ],
-)
-async def test_detect_failures_exit_1_with_the_searched_phrase(
+)  # fmt: skip
+async def test_detect_failures_exit_1_with_the_searched_phrase_and_what_to_check(
     fake_node: FakeNode, start_daemon: StartDaemon, breakage: str, message: str
 ) -> None:
     if breakage == "missing dir":
