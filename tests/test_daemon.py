@@ -53,7 +53,7 @@ async def test_allocate_one_and_several_container_requests(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
     with trio.fail_after(20):
-        daemon = start_daemon(*fake_node.daemon_args())
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1))
         await serving(kubelet)
         one = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-0", "pcc-5"]])
         several = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-1"], ["pcc-2", "pcc-3"]])
@@ -68,6 +68,15 @@ async def test_allocate_one_and_several_container_requests(
                 ("/var/run/pcc", "/var/run/pcc", False)
             ]
         await log_line(daemon, "Allocate tke.cloud.tencent.com/pcc-device: [['pcc-0', 'pcc-5']]")
+        # --v=1 logs each Allocate: a refused one too, with the reason kubelet is given.
+        with pytest.raises(grpc.RpcError) as refused:
+            await run_blocking(kubelet.allocate, RESOURCE, [["pcc-16"]])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await log_line(
+            daemon,
+            f"Allocate {RESOURCE} refused, INVALID_ARGUMENT: container request 0 names unknown "
+            "device IDs 'pcc-16'",
+        )
 
 
 @pytest.mark.parametrize(
