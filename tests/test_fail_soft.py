@@ -284,6 +284,8 @@ async def test_sighup_applies_an_edited_file(
         daemon.proc.send_signal(signal.SIGHUP)
         await log_line(daemon, "Configuration unchanged (SIGHUP)")
     assert "Configuration 3 applied" not in daemon.log_text()
+    # The changed resource's previous socket, still closing, is this instance's own.
+    assert "another instance serves it" not in daemon.log_text()
 
 
 HOLD_AT_IMPORT = """
