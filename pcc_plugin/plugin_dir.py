@@ -25,6 +25,8 @@ from pcc_plugin.klog import V1
 log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
+# Our socket gone from its place (kubelet deletes every socket there when it restarts).
+REMOVED = "was removed"
 
 
 # Pods of a DaemonSet often share a PID (1) across a rolling update; a random token per
@@ -111,7 +113,10 @@ def restart_reason(
     if endpoint in names:
         reason = own_socket_problem(plugin_dir / endpoint, own)
         if reason:
-            log.warning("inotify: own socket %s %s, restarting.", plugin_dir / endpoint, reason)
+            # Kubelet deletes every socket in its directory when it restarts: routine. A file
+            # put in our socket's place is not.
+            level = logging.INFO if reason == REMOVED else logging.WARNING
+            log.log(level, "inotify: own socket %s %s, restarting.", plugin_dir / endpoint, reason)
             return f"own socket {reason}"
     if names.get(KUBELET_SOCKET, Mask(0)) & VANISHED:
         log.log(V1, "inotify: %s removed; waiting for kubelet to create it.", kubelet_socket)
@@ -122,7 +127,7 @@ def own_socket_problem(path: Path, own: Identity) -> str | None:
     now = identity(path)
     if now == own:
         return None
-    return "was removed" if now is None else "was replaced by another file"
+    return REMOVED if now is None else "was replaced by another file"
 
 
 async def watch_plugin_dir(

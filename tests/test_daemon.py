@@ -132,6 +132,23 @@ async def test_kubelet_restarts_once_then_100_times_without_leaking_fds(
         assert [r.accepted for r in kubelet.registrations] == [True] * 102
 
 
+@pytest.mark.parametrize("kubelet", ["current", "legacy"], indirect=True)
+async def test_a_kubelet_restart_is_routine_and_warns_of_nothing(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    """Kubelet deletes every socket in its directory as it starts: the daemon's being deleted
+    then is no warning, whether it sees that or the new kubelet.sock first."""
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        first = await serving(kubelet)
+        for restarts in range(1, 6):
+            await run_blocking(kubelet.restart)
+            await serving(kubelet, registrations=1 + restarts)
+    assert not (fake_node.plugin_dir / first).exists()
+    lines = daemon.log_text().splitlines()
+    assert not [line for line in lines if "own socket" in line and not line.startswith("I")]
+
+
 async def test_waits_for_kubelet_then_registers(
     fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:

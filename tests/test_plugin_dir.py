@@ -112,7 +112,10 @@ def test_restart_reasons(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
 
 
 @pytest.mark.parametrize("replacement", ["nothing", "a regular file", "another socket"])
-def test_own_socket_is_known_by_identity_not_name(tmp_path: Path, replacement: str) -> None:
+def test_own_socket_is_known_by_identity_not_name(
+    tmp_path: Path, replacement: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     own_name = "pcc-1-aa-0.sock"
     path = tmp_path / own_name
     with bind_socket(path):
@@ -129,3 +132,7 @@ def test_own_socket_is_known_by_identity_not_name(tmp_path: Path, replacement: s
             reason = restart_reason(events, tmp_path, own_name, own)
     expected = "was removed" if replacement == "nothing" else "was replaced by another file"
     assert reason == f"own socket {expected}"
+    # Removed is what kubelet does to every socket when it restarts; replaced is no routine.
+    (record,) = caplog.records
+    assert record.getMessage() == f"inotify: own socket {path} {expected}, restarting."
+    assert record.levelno == (logging.INFO if replacement == "nothing" else logging.WARNING)
