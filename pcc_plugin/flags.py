@@ -274,9 +274,26 @@ def build_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentP
     return parser
 
 
+def unexpected(arg: str) -> str:
+    """The usage error for an argument that no flag takes, in the form every other one has."""
+    name = arg.split("=", 1)[0]
+    known = [*FLAG_NAMES, "--help", "--version"]
+    # A known flag is left over only when it came after "--", as an argument.
+    if not arg.startswith("-") or arg == "-" or name in known:
+        return f"{arg}: unexpected argument: everything is given by a flag"
+    import difflib
+
+    close = difflib.get_close_matches("--" + name.lstrip("-"), known, n=1)
+    return f"{name}: unknown flag" + (f"; did you mean {close[0]}?" if close else "")
+
+
 def parse(argv: Sequence[str], prog: str, description: str, epilog: str) -> tuple[Flags, bool]:
     """The flags, and whether --version was asked for; usage errors exit 2."""
-    args = vars(build_parser(prog, description, epilog).parse_args(go_style(argv)))
+    known, rest = build_parser(prog, description, epilog).parse_known_args(go_style(argv))
+    rest = [arg for arg in rest if arg != "--"]
+    if rest:
+        usage_error(prog, unexpected(rest[0]))
+    args = vars(known)
     wants_version = args.pop("version")
     try:
         return Flags(**args), wants_version

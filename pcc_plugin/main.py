@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         cli.main(argv[1:])
 
     from pcc_plugin import flags, klog
-    from pcc_plugin.resource import health_problem
+    from pcc_plugin.resource import pcc_start_problem
 
     config, wants_version = flags.parse(argv, flags.PROG, DESCRIPTION, EPILOG)
     if wants_version:
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     klog.configure(config.verbosity)
     specs, digest = flags.resources(config, flags.PROG)
     if not config.config:
-        problem = health_problem(specs[0], config.host_root)
+        problem = pcc_start_problem(specs[0], config.host_root)
         if problem:
             log.error("%s", problem)
             sys.exit(1)

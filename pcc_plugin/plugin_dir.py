@@ -26,21 +26,31 @@ log = logging.getLogger(__name__)
 
 KUBELET_SOCKET = "kubelet.sock"
 KUBELET_RESTARTED = "kubelet restarted"
+# Our socket gone from its place (kubelet deletes every socket there when it restarts).
+REMOVED = "was removed"
+
+
+# Pods of a DaemonSet often share a PID (1) across a rolling update; a random token per
+# process keeps two instances from ever choosing the same name, and lets this one know its own.
+_PROCESS_TOKEN = os.urandom(3).hex()
+# One count for the process: a resource that a reload starts again never takes a name that
+# its previous run, still stopping, serves.
+_socket_numbers = itertools.count()
+
+
+def process_stem(prefix: str) -> str:
+    """What this process's sockets of `prefix` start with, whichever run of it serves them."""
+    return f"{prefix}-{os.getpid()}-{_PROCESS_TOKEN}"
 
 
 class SocketNames:
-    """Fresh socket names, `<prefix>-<pid>-<token>-<n>.sock`.
-
-    Pods of a DaemonSet often share a PID (1) across a rolling update; the
-    random token keeps two instances from ever choosing the same name.
-    """
+    """Fresh socket names, `<prefix>-<pid>-<token>-<n>.sock`."""
 
     def __init__(self, prefix: str) -> None:
-        self.stem = f"{prefix}-{os.getpid()}-{os.urandom(3).hex()}"
-        self._counter = itertools.count()
+        self.stem = process_stem(prefix)
 
     def __next__(self) -> str:
-        return f"{self.stem}-{next(self._counter)}.sock"
+        return f"{self.stem}-{next(_socket_numbers)}.sock"
 
 
 def is_own_socket(prefix: str, name: str) -> bool:
@@ -56,6 +66,7 @@ def accepts_connections(path: Path) -> bool:
 
 def remove_stale_sockets(plugin_dir: Path, prefix: str, keep: str) -> None:
     """Remove sockets of this naming that nothing serves any more."""
+    this_process = process_stem(prefix) + "-"
     for entry in os.scandir(plugin_dir):
         if entry.name == keep or not is_own_socket(prefix, entry.name):
             continue
@@ -63,7 +74,11 @@ def remove_stale_sockets(plugin_dir: Path, prefix: str, keep: str) -> None:
         if not stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
             continue
         if accepts_connections(path):
-            log.log(V1, "Leaving %s: another instance serves it", path)
+            if entry.name.startswith(this_process):
+                # A reload restarted the resource: its previous run removes it as it stops.
+                log.log(V1, "Leaving %s: this instance's previous socket, closing", path)
+            else:
+                log.log(V1, "Leaving %s: another instance serves it", path)
             continue
         try:
             os.unlink(path)
@@ -107,7 +122,10 @@ def restart_reason(
     if endpoint in names:
         reason = own_socket_problem(plugin_dir / endpoint, own)
         if reason:
-            log.warning("inotify: own socket %s %s, restarting.", plugin_dir / endpoint, reason)
+            # Kubelet deletes every socket in its directory when it restarts: routine. A file
+            # put in our socket's place is not.
+            level = logging.INFO if reason == REMOVED else logging.WARNING
+            log.log(level, "inotify: own socket %s %s, restarting.", plugin_dir / endpoint, reason)
             return f"own socket {reason}"
     if names.get(KUBELET_SOCKET, Mask(0)) & VANISHED:
         log.log(V1, "inotify: %s removed; waiting for kubelet to create it.", kubelet_socket)
@@ -118,7 +136,7 @@ def own_socket_problem(path: Path, own: Identity) -> str | None:
     now = identity(path)
     if now == own:
         return None
-    return "was removed" if now is None else "was replaced by another file"
+    return REMOVED if now is None else "was replaced by another file"
 
 
 async def watch_plugin_dir(

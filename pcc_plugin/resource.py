@@ -124,6 +124,17 @@ def pcc_resource(name: str, count: int, device: str, pcc_dir: str) -> ResourceSp
     )
 
 
+# What to do when the PCC profile's device or directory is missing: the daemon's fatal line at
+# start and the doctor's fixes say the same, as do the README and docs/deploy.md.
+NODE_LABEL = "tke.cloud.tencent.com/pcc-device-plugin"
+LOAD_SEV_GUEST = "on an SEV-SNP guest, load its sev-guest driver (modprobe sev-guest)"
+NOT_AN_SEV_SNP_NODE = f"a node that is not one has no PCC device: remove its label {NODE_LABEL}"
+START_PCC_SERVICE = (
+    "start the PCC service on the node, which creates the directory; never create it by hand: "
+    "an empty one hides a node whose PCC service does not run"
+)
+
+
 def seen_from_here(host_root: str, host_path: str) -> str:
     """Where a host path is visible to this process (under --host-root)."""
     return host_root + host_path
@@ -143,6 +154,17 @@ def _device_problem(path: str, device_type: DeviceType) -> str | None:
     return None
 
 
+def _mount_problem(mount: HostMount, host_root: str) -> str | None:
+    path = seen_from_here(host_root, mount.host_path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return f"detect {mount.label} {path} failed: {exc.strerror}"
+    if not stat.S_ISDIR(mode):
+        return f"detect {mount.label} {path} failed: not a directory"
+    return None
+
+
 def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
     """Why the node cannot serve any of `spec` now, in the words operators search for.
 
@@ -154,13 +176,26 @@ def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
         if problem:
             return problem
     for mount in spec.mounts:
-        path = seen_from_here(host_root, mount.host_path)
-        try:
-            mode = os.stat(path).st_mode
-        except OSError as exc:
-            return f"detect {mount.label} {path} failed: {exc.strerror}"
-        if not stat.S_ISDIR(mode):
-            return f"detect {mount.label} {path} failed: not a directory"
+        problem = _mount_problem(mount, host_root)
+        if problem:
+            return problem
+    return None
+
+
+def pcc_start_problem(spec: ResourceSpec, host_root: str) -> str | None:
+    """Why the PCC profile cannot start on this node, and what to check there: the daemon's
+    fatal line (without --config it does not start until both are in place)."""
+    (device,) = spec.device_nodes
+    (pcc_dir,) = spec.mounts
+    problem = _device_problem(seen_from_here(host_root, device.host_path), device.device_type)
+    if problem:
+        return (
+            f"{problem}; check {device.host_path} on the node: {LOAD_SEV_GUEST}; "
+            f"{NOT_AN_SEV_SNP_NODE}"
+        )
+    problem = _mount_problem(pcc_dir, host_root)
+    if problem:
+        return f"{problem}; check {pcc_dir.host_path} on the node: {START_PCC_SERVICE}"
     return None
 
 

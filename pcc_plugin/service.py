@@ -16,6 +16,7 @@ import grpclib.exceptions
 from pcc_plugin import wire
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.grpc_server import Call, MethodSpec
+from pcc_plugin.klog import V1
 from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError
 from pcc_plugin.registration import KubeletLink
 from pcc_plugin.resource import Grant
@@ -81,11 +82,17 @@ class DevicePluginService:
                 data, MAX_CONTAINER_REQUESTS, len(self._plugin.devices)
             )
         except (wire.WireError, wire.TooMany) as exc:
-            raise self._unreadable("AllocateRequest", exc) from None
+            raise self._allocate_refused(self._unreadable("AllocateRequest", exc)) from None
         try:
             return encode_allocate_response(self._plugin.allocate(containers))
         except (RequestError, DeviceUnavailable) as exc:
-            raise _refused(exc) from None
+            raise self._allocate_refused(_refused(exc)) from None
+
+    def _allocate_refused(self, error: GRPCError) -> GRPCError:
+        """--v=1 logs each Allocate: a refused one with the reason kubelet is given."""
+        log.log(V1, "Allocate %s refused, %s: %s", self._plugin.spec.name, error.status.name,
+                error.message)  # fmt: skip
+        return error
 
     def pre_start_container(self, data: bytes, call: Call) -> bytes:
         try:

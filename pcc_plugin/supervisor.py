@@ -253,9 +253,11 @@ class Resources:
         """The task tree and each resource's state, as SIGUSR1 writes them to the log."""
         configuration = self.configuration
         lines = [
+            f"State on {signal.SIGUSR1.name}: the configuration, each resource with its "
+            "counters, and the task tree",
             f"Configuration {configuration.generation} from "
             f"{configuration.path or 'flags'} (hash {configuration.digest}"
-            f"{', last reload failed' if configuration.last_reload_failed else ''})"
+            f"{', last reload failed' if configuration.last_reload_failed else ''})",
         ]
         for plugin in self.plugins:
             stats = plugin.stats

@@ -52,7 +52,7 @@ async def test_allocate_one_and_several_container_requests(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
     with trio.fail_after(20):
-        daemon = start_daemon(*fake_node.daemon_args())
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1))
         await serving(kubelet)
         one = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-0", "pcc-5"]])
         several = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-1"], ["pcc-2", "pcc-3"]])
@@ -67,6 +67,15 @@ async def test_allocate_one_and_several_container_requests(
                 ("/var/run/pcc", "/var/run/pcc", False)
             ]
         await log_line(daemon, "Allocate tke.cloud.tencent.com/pcc-device: [['pcc-0', 'pcc-5']]")
+        # --v=1 logs each Allocate: a refused one too, with the reason kubelet is given.
+        with pytest.raises(grpc.RpcError) as refused:
+            await run_blocking(kubelet.allocate, RESOURCE, [["pcc-16"]])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await log_line(
+            daemon,
+            f"Allocate {RESOURCE} refused, INVALID_ARGUMENT: container request 0 names unknown "
+            "device IDs 'pcc-16'",
+        )
 
 
 @pytest.mark.parametrize(
@@ -120,6 +129,23 @@ async def test_kubelet_restarts_once_then_100_times_without_leaking_fds(
             assert kubelet.devices(RESOURCE) == HEALTHY_16
         assert abs(daemon.open_fds() - fds) <= 2
         assert [r.accepted for r in kubelet.registrations] == [True] * 102
+
+
+@pytest.mark.parametrize("kubelet", ["current", "legacy"], indirect=True)
+async def test_a_kubelet_restart_is_routine_and_warns_of_nothing(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    """Kubelet deletes every socket in its directory as it starts: the daemon's being deleted
+    then is no warning, whether it sees that or the new kubelet.sock first."""
+    with trio.fail_after(20):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        first = await serving(kubelet)
+        for restarts in range(1, 6):
+            await run_blocking(kubelet.restart)
+            await serving(kubelet, registrations=1 + restarts)
+    assert not (fake_node.plugin_dir / first).exists()
+    lines = daemon.log_text().splitlines()
+    assert not [line for line in lines if "own socket" in line and not line.startswith("I")]
 
 
 async def test_waits_for_kubelet_then_registers(
@@ -213,15 +239,31 @@ async def test_removes_dead_sockets_of_its_own_and_keeps_live_ones(
         assert live.is_socket()
 
 
+# What the fatal line says to check, after the phrase operators search for: the doctor's fixes.
+CHECK_THE_DEVICE = (
+    "; check /dev/sev-guest on the node: on an SEV-SNP guest, load its sev-guest driver "
+    "(modprobe sev-guest); a node that is not one has no PCC device: remove its label "
+    "tke.cloud.tencent.com/pcc-device-plugin"
+)
+CHECK_THE_DIRECTORY = (
+    "; check /var/run/pcc on the node: start the PCC service on the node, which creates the "
+    "directory; never create it by hand: an empty one hides a node whose PCC service does not run"
+)
+
+
 @pytest.mark.parametrize(
     ("breakage", "message"),
     [
-        ("missing device", "detect device {host}/dev/sev-guest failed: No such file or directory"),
-        ("regular file", "detect device {host}/dev/sev-guest failed: not a character device"),
-        ("missing dir", "detect socket path {host}/var/run/pcc failed: No such file or directory"),
+        ("missing device",
+         "detect device {host}/dev/sev-guest failed: No such file or directory" + CHECK_THE_DEVICE),
+        ("regular file",
+         "detect device {host}/dev/sev-guest failed: not a character device" + CHECK_THE_DEVICE),
+        ("missing dir",
+         "detect socket path {host}/var/run/pcc failed: No such file or directory"
+         + CHECK_THE_DIRECTORY),
     ],
-)
-async def test_detect_failures_exit_1_with_the_searched_phrase(
+)  # fmt: skip
+async def test_detect_failures_exit_1_with_the_searched_phrase_and_what_to_check(
     fake_node: FakeNode, start_daemon: StartDaemon, breakage: str, message: str
 ) -> None:
     if breakage == "missing dir":

@@ -1,4 +1,5 @@
-"""tools/dev.py, the quick start's bootstrap, when several runs start at once (CI starts two)."""
+"""tools/dev.py, the quick start's bootstrap: several runs at once (CI starts two), and the
+environment it gives uv."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import http.server
 import io
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -101,3 +103,33 @@ def test_runs_started_together_all_get_a_runnable_uv(
         assert run.returncode == 0, err.decode()[-800:]
         assert out.decode().startswith("ran tool run"), out.decode()
     assert sorted(path.name for path in cache.iterdir()) == ["fetch.lock", "uv"]
+
+
+# A uv that says which certificate store it was told to trust.
+CERTS_UV = '#!/bin/sh\necho "UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS-unset}"\n'
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "true"), ("false", "false")])
+def test_uv_trusts_the_system_certificate_store_unless_told_otherwise(
+    tmp_path: Path, given: str | None, seen: str
+) -> None:
+    """As Python and pip do: behind a TLS-intercepting proxy, its root is in that store."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "uv").write_text(CERTS_UV)
+    (cache / "uv").chmod(0o755)
+    env = {name: value for name, value in os.environ.items() if name != "UV_SYSTEM_CERTS"}
+    if given is not None:
+        env["UV_SYSTEM_CERTS"] = given
+    # The uv in the cache is run as it is: the index and the wheel are never asked for.
+    unused = ("http://127.0.0.1:9", "unused.whl", "0" * 64)
+    run = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(DEV), unused[0], str(cache), *unused[1:]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"UV_SYSTEM_CERTS={seen}\n"

@@ -125,8 +125,8 @@ async def test_a_healthy_node_passes_every_check_without_disturbing_the_daemon(
         assert report.lines[SEV_SNP] == (
             f"WARN  {SEV_SNP}: {host}/sys/class/misc/sev-guest/dev does not exist: the "
             f"sev-guest driver is not loaded, so nothing says that {host}/dev/sev-guest (1:3) is "
-            "the SEV-SNP guest device; fix: on an SEV-SNP guest, load the driver (modprobe "
-            "sev-guest); on other nodes there is no PCC device: remove its label "
+            "the SEV-SNP guest device; fix: on an SEV-SNP guest, load its sev-guest driver "
+            "(modprobe sev-guest); a node that is not one has no PCC device: remove its label "
             "tke.cloud.tencent.com/pcc-device-plugin"
         )
         assert report.stdout.splitlines()[-1] == "5 passed, 2 warned, 0 failed, 0 skipped."
@@ -202,7 +202,11 @@ async def kill_daemon(node: Node) -> None:
         pytest.param(
             remove_device,
             {
-                DEVICE: ["host/dev/sev-guest does not exist", "modprobe sev-guest"],
+                DEVICE: [
+                    "host/dev/sev-guest does not exist",
+                    "modprobe sev-guest",
+                    "remove its label tke.cloud.tencent.com/pcc-device-plugin",
+                ],
                 SEV_SNP: ["SKIP", "not checked until", "is a character device"],
                 PLUGIN: ["16 devices, 0 Healthy; expected every one Healthy", "'Unhealthy'"],
             },
@@ -220,7 +224,7 @@ async def kill_daemon(node: Node) -> None:
         pytest.param(
             remove_pcc_dir,
             {
-                PCC_DIR: ["host/var/run/pcc does not exist", "mkdir -p /var/run/pcc"],
+                PCC_DIR: ["host/var/run/pcc does not exist", "start the PCC service"],
                 PLUGIN: ["0 Healthy"],
             },
             id="PCC dir missing",
@@ -504,6 +508,36 @@ def test_the_device_that_sysfs_names_passes(host: Path) -> None:
     result = pcc_node_checks(host)[SEV_SNP]
     assert result == Result(
         "PASS", SEV_SNP, f"{host}/dev/sev-guest is the sev-guest driver's device (1:3)"
+    )
+
+
+def test_a_node_without_the_device_or_the_pcc_directory_gets_the_docs_fixes(host: Path) -> None:
+    """Not an SEV-SNP node (remove the label), or its driver is not loaded; the PCC service
+    makes its directory, and one made by hand would hide a node whose service does not run."""
+    (host / "dev" / "sev-guest").unlink()
+    (host / "var" / "run" / "pcc").rmdir()
+    checks = pcc_node_checks(host)
+    assert checks[DEVICE].line() == (
+        f"FAIL  {DEVICE}: {host}/dev/sev-guest does not exist; fix: on an SEV-SNP guest, load "
+        "its sev-guest driver (modprobe sev-guest); a node that is not one has no PCC device: "
+        "remove its label tke.cloud.tencent.com/pcc-device-plugin; or give the daemon and the "
+        f"doctor the right path; with --host-root, the host's /dev must be mounted at {host}/dev"
+    )
+    assert checks[PCC_DIR].line() == (
+        f"FAIL  {PCC_DIR}: {host}/var/run/pcc does not exist; fix: start the PCC service on the "
+        "node, which creates the directory; never create it by hand: an empty one hides a node "
+        "whose PCC service does not run; or give the daemon and the doctor the right path; with "
+        f"--host-root, the host's /var/run must be mounted at {host}/var/run"
+    )
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/deploy.md", "docs/doctor.md"])
+def test_the_docs_tell_the_doctors_story_of_a_missing_device_or_directory(document: str) -> None:
+    text = " ".join((Path(__file__).parent.parent / document).read_text().split())
+    assert "mkdir -p /var/run/pcc" not in text
+    assert "modprobe sev-guest" in text
+    assert "remove its label tke.cloud.tencent.com/pcc-device-plugin" in text or (
+        "remove the node's label `tke.cloud.tencent.com/pcc-device-plugin`" in text
     )
 
 

@@ -153,6 +153,13 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
         # The tree's last line: it is written depth first, in name order.
         await log_line(daemon, "registration.reregister_when_stream_ends")
         text = daemon.log_text()
+        # It says what it is, then the configuration comes.
+        messages = [line.split("] ", 1)[1] for line in text.splitlines()]
+        header = messages.index(
+            "State on SIGUSR1: the configuration, each resource with its counters, and the task "
+            "tree"
+        )
+        assert messages[header + 1] == "Configuration 1 from flags (hash flags)"
         # Kubelet's stream opens inside Register, a moment before the plugin hears it accepted.
         assert re.search(
             f"Resource {RESOURCE}: registered=(True|False) kubelet_stream_open=True generation=",
@@ -285,6 +292,8 @@ async def test_sighup_applies_an_edited_file(
         daemon.proc.send_signal(signal.SIGHUP)
         await log_line(daemon, "Configuration unchanged (SIGHUP)")
     assert "Configuration 3 applied" not in daemon.log_text()
+    # The changed resource's previous socket, still closing, is this instance's own.
+    assert "another instance serves it" not in daemon.log_text()
 
 
 HOLD_AT_IMPORT = """

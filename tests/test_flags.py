@@ -137,8 +137,11 @@ def test_largest_resource_count_is_accepted() -> None:
         (["--v=-1"], "--v: must be at least 0, got -1"),
         (["--metrics-bind-address=8080"], "--metrics-bind-address: must be host:port"),
         (["--metrics-bind-address=:http"], "--metrics-bind-address: must be host:port"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
-        (["--pcc-dev=/dev/x"], "unrecognized arguments: --pcc-dev=/dev/x"),
+        (["--bogus"], "pcc-device-plugin: --bogus: unknown flag (see --help)"),
+        (["-bogus=1", "--v=1"], "pcc-device-plugin: -bogus: unknown flag (see --help)"),
+        (["--pcc-dev=/dev/x"], "--pcc-dev: unknown flag; did you mean --pcc-device? (see --help)"),
+        (["--v=1", "extra"], "extra: unexpected argument: everything is given by a flag"),
+        (["--", "--v=1"], "--v=1: unexpected argument: everything is given by a flag"),
         (["--resource-count"], "--resource-count: expected one argument"),
     ],
 )

@@ -12,8 +12,11 @@ kubectl these tests skip, except under CI where they fail.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import shutil
 import subprocess
+import textwrap
 import tomllib
 from pathlib import Path, PurePosixPath
 
@@ -813,6 +816,11 @@ def test_containerignore_admits_only_what_the_containerfile_copies() -> None:
 NEEDS_MARKER = re.compile(r"^# \(needs [^)]+\)")
 RUN_BY_THIS_FILE = re.compile(r"^kubectl kustomize \S+( \| .+)?$")
 NOX = re.compile(r"^nox -s (?P<sessions>[a-z ]+)$")
+# The overlay of the user's own that the install steps of README.md and this page write, from
+# the clone's root, to name the image with kubectl alone. A block that writes it is run whole
+# (test_the_users_overlay_builds_with_kubectl_alone), not command by command.
+USER_OVERLAY = "my-cluster"
+WRITES_USER_OVERLAY = f"cat > {USER_OVERLAY}/kustomization.yaml <<'EOF'"
 
 
 def docs_text() -> str:
@@ -821,10 +829,18 @@ def docs_text() -> str:
     return DOCS.read_text()
 
 
-def shell_blocks() -> list[list[str]]:
+def fenced_shell(text: str) -> list[str]:
+    """The shell blocks of a Markdown text, each as a script (a list item's indent taken off)."""
     fenced = r"^[ \t]*```(?:sh|bash|console)\n(.*?)^[ \t]*```$"
-    blocks = re.findall(fenced, docs_text(), re.M | re.S)
-    return [[line.strip() for line in block.strip("\n").splitlines()] for block in blocks]
+    return [textwrap.dedent(block).strip("\n") for block in re.findall(fenced, text, re.M | re.S)]
+
+
+def shell_blocks() -> list[list[str]]:
+    return [
+        [line.strip() for line in block.splitlines()]
+        for block in fenced_shell(docs_text())
+        if WRITES_USER_OVERLAY not in block
+    ]
 
 
 def commands(block: list[str]) -> list[str]:
@@ -890,8 +906,41 @@ def test_docs_paths_exist_and_kustomize_paths_render() -> None:
     missing = [path for path in sorted(paths) if not (ROOT / path).exists()]
     assert not missing, missing
     for command in re.findall(r"kubectl (?:apply|delete) -k (\S+)", text):
+        if command == USER_OVERLAY:
+            continue  # written by the install step, and built by the test below
         assert command in kustomizations(), command
         assert render(command)
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/deploy.md"])
+def test_the_users_overlay_builds_with_kubectl_alone(document: str, tmp_path: Path) -> None:
+    """The install step's overlay of the user's own names their image and changes nothing else,
+    with no kustomize binary: the block runs as shown, in a copy of the clone's manifests."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "kubectl").symlink_to(kubectl())
+    (block,) = [
+        block
+        for block in fenced_shell((ROOT / document).read_text())
+        if WRITES_USER_OVERLAY in block
+    ]
+    shutil.copytree(ROOT / "manifests", tmp_path / "manifests")
+    result = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", block],
+        cwd=tmp_path,
+        env={**os.environ, "PATH": f"{tools}:/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, f"{block}\n{result.stderr}"
+    image = f"registry.example.com/pcc/pcc-device-plugin:{project_version()}"
+    assert result.stdout.split() == ["image:", image]
+    overlay = render(str(tmp_path / USER_OVERLAY))
+    base = render("manifests/base")
+    plugin_container(the(base, "DaemonSet"))["image"] = image
+    assert overlay == base
 
 
 def test_docs_state_the_validated_kubernetes_range() -> None:

@@ -10,12 +10,15 @@ import grpclib.exceptions
 import pytest
 
 from pcc_plugin.flags import Flags
+from pcc_plugin.klog import V1
 from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError, encode_listing
 from pcc_plugin.registration import KubeletLink
 from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
 from pcc_plugin.service import DevicePluginService, encode_allocate_response
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.stats import ResourceStats
+
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
 
 
 def pcc_plugin(host: Path, pre_start_check: bool = False, **flags: Any) -> DevicePlugin:
@@ -177,6 +180,37 @@ def test_service_answers_each_refusal_with_its_status(
     assert refused.value.status is grpclib.const.Status[status]
     assert refused.value.message is not None
     assert details in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "reason"),
+    [
+        (_allocate_request(["pcc-0"], ["gpu-0"]),
+         "INVALID_ARGUMENT: container request 1 names unknown device IDs 'gpu-0'; "
+         "tke.cloud.tencent.com/pcc-device has pcc-0 to pcc-15"),
+        (_allocate_request(["pcc-0"] * 17),
+         "INVALID_ARGUMENT: AllocateRequest names more device IDs than the 16 "
+         "tke.cloud.tencent.com/pcc-device advertises"),
+        (b"\x0a", "INVALID_ARGUMENT: cannot decode AllocateRequest: "),
+        (_allocate_request(["pcc-3"]),
+         "FAILED_PRECONDITION: tke.cloud.tencent.com/pcc-device device pcc-3 is unhealthy: "
+         "detect device "),
+    ],
+)  # fmt: skip
+def test_a_refused_allocate_is_logged_at_v1_with_its_reason(
+    host: Path, caplog: pytest.LogCaptureFixture, request_bytes: bytes, reason: str
+) -> None:
+    plugin = pcc_plugin(host)
+    if reason.startswith("FAILED_PRECONDITION"):
+        (host / "dev" / "sev-guest").unlink()
+        plugin.refresh()
+    service = DevicePluginService(plugin, KubeletLink(plugin.stats))
+    caplog.set_level(V1)
+    with pytest.raises(grpclib.exceptions.GRPCError):
+        service.allocate(request_bytes, None)  # type: ignore[arg-type]  # it reads no call
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("Allocate ")]
+    assert record.levelno == V1
+    assert record.getMessage().startswith(f"Allocate {RESOURCE} refused, {reason}")
 
 
 def test_globbed_devices_are_one_device_each_and_stay_listed_when_gone(host: Path) -> None:

@@ -11,6 +11,7 @@ import pytest
 from asyncinotify import Event, Mask
 
 from pcc_plugin.fs import identity
+from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import (
     SocketNames,
     is_own_socket,
@@ -49,6 +50,34 @@ def test_stale_sockets_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
             "pcc-2-bb-0.sock",
             "pcc-3-cc-0.sock",
         ]
+
+
+def test_a_live_socket_of_this_process_is_not_called_another_instances(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a reload restarts a resource, its previous run's socket still serves a moment."""
+    caplog.set_level(V1)
+    previous, current = next(SocketNames("pcc")), next(SocketNames("pcc"))
+    # Another pod's instance: the same PID (1 in each pod), its own token.
+    token = previous.split("-")[2]
+    others = f"pcc-{os.getpid()}-{int(token, 16) ^ 1:06x}-0.sock"
+    with bind_socket(tmp_path / previous) as mine, bind_socket(tmp_path / others) as theirs:
+        mine.listen()
+        theirs.listen()
+        remove_stale_sockets(tmp_path, "pcc", keep=current)
+    assert len(caplog.records) == 2
+    assert {record.getMessage() for record in caplog.records} == {
+        f"Leaving {tmp_path / others}: another instance serves it",
+        f"Leaving {tmp_path / previous}: this instance's previous socket, closing",
+    }
+
+
+def test_names_never_repeat_in_a_process(tmp_path: Path) -> None:
+    """A resource started again by a reload takes fresh names, under this process's stem."""
+    first, again = SocketNames("pcc"), SocketNames("pcc")
+    assert first.stem == again.stem
+    names = [next(first), next(again), next(first)]
+    assert len(set(names)) == 3
 
 
 def event(name: str | None, mask: Mask) -> Event:
@@ -90,7 +119,10 @@ def test_restart_reasons(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
 
 
 @pytest.mark.parametrize("replacement", ["nothing", "a regular file", "another socket"])
-def test_own_socket_is_known_by_identity_not_name(tmp_path: Path, replacement: str) -> None:
+def test_own_socket_is_known_by_identity_not_name(
+    tmp_path: Path, replacement: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     own_name = "pcc-1-aa-0.sock"
     path = tmp_path / own_name
     with bind_socket(path):
@@ -107,3 +139,7 @@ def test_own_socket_is_known_by_identity_not_name(tmp_path: Path, replacement: s
             reason = restart_reason(events, tmp_path, own_name, own, None)
     expected = "was removed" if replacement == "nothing" else "was replaced by another file"
     assert reason == f"own socket {expected}"
+    # Removed is what kubelet does to every socket when it restarts; replaced is no routine.
+    (record,) = caplog.records
+    assert record.getMessage() == f"inotify: own socket {path} {expected}, restarting."
+    assert record.levelno == (logging.INFO if replacement == "nothing" else logging.WARNING)

@@ -26,6 +26,7 @@ from pcc_plugin.sim import (
     NoPluginError,
     PluginOptions,
     SimKubelet,
+    StartDaemon,
     run_blocking,
 )
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
@@ -716,3 +717,66 @@ async def test_the_demo_tells_the_whole_story() -> None:
     story = demo.stdout.decode()
     assert demo.returncode == 0, story
     assert "8. SIGTERM sent: the daemon exited with code 0" in story
+
+
+# Trying it by hand (README): the simulated kubelet as a command, and `allocate`.
+
+TWO_RESOURCES = """\
+resources:
+  - name: example.com/first
+    count: 2
+    devices: [{hostPath: /dev/sev-guest, containerPath: /dev/first}]
+  - name: example.com/second
+    count: 2
+    devices: [{hostPath: /dev/sev-guest, containerPath: /dev/second}]
+"""
+
+
+async def allocate_by_hand(plugin_dir: Path, *args: str) -> tuple[int, str]:
+    argv = [sys.executable, "-m", "pcc_plugin.sim", "allocate", "--dir", str(plugin_dir), *args]
+    done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    return done.returncode, (done.stdout + done.stderr).decode()
+
+
+async def test_allocate_by_hand_calls_the_resource_it_names(
+    fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    """With two resources, the newest socket is one of them: naming the resource dials the
+    endpoint it registered with the simulated kubelet, as kubelet would."""
+    config = fake_node.root / "profiles.yaml"
+    config.write_text(TWO_RESOURCES)
+    plugin_dir = fake_node.plugin_dir
+    kubelet = Daemon(
+        [sys.executable, "-m", "pcc_plugin.sim", "kubelet", "--dir", str(plugin_dir)],
+        fake_node.root / "kubelet.log",
+    )
+    try:
+        with trio.fail_after(30):
+            await run_blocking(kubelet.wait_for_log, "kubelet serving Registration", 10.0)
+            code, said = await allocate_by_hand(
+                plugin_dir, "--resource", "example.com/first", "first-0"
+            )
+            assert code == 1
+            assert said == (
+                f"example.com/first has not registered with the simulated kubelet in {plugin_dir} "
+                "(registered: nothing)\n"
+            )
+            start_daemon(*fake_node.daemon_args(), f"--config={config}")
+            for name in ("first", "second"):
+                await run_blocking(
+                    kubelet.wait_for_log, f"registered device plugin example.com/{name}", 10.0
+                )
+            for name in ("first", "second"):
+                code, said = await allocate_by_hand(
+                    plugin_dir, "--resource", f"example.com/{name}", f"{name}-1"
+                )
+                assert code == 0, said
+                assert said.startswith(f"{name}-"), said
+                assert f"/dev/{name}" in said
+            # Without a name, the newest socket answers, for its own IDs only.
+            outcomes = [
+                await allocate_by_hand(plugin_dir, f"{name}-0") for name in ("first", "second")
+            ]
+            assert sorted(code for code, _ in outcomes) == [0, 1]
+    finally:
+        kubelet.close()

@@ -9,7 +9,8 @@ Nothing is installed into that python3, so a distribution's own interpreter work
 (Debian's and Ubuntu's refuse `pip install` outside a virtual environment, PEP 668). The
 first run fetches uv, a pinned release whose SHA-256 is checked, into .cache/dev/ in the
 repository; uv then runs the pinned nox, and nox's sessions make their virtual environments
-with uv from this same python3.
+with uv from this same python3. uv trusts the system's certificate store, as Python does
+(UV_SYSTEM_CERTS=true, unless it is set already).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ UV_WHEELS = {
         "a6e845f387e4ed55bb59342957a9179e24a631fcc7668bda3426ae1cef8ed4b9",
     ),
 }
+# uv's switch to the system's certificate store (in uv 0.13; --system-certs on its command line).
+SYSTEM_CERTS = "UV_SYSTEM_CERTS"
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "dev" / f"uv-{UV_VERSION}"
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
@@ -116,6 +119,9 @@ def main() -> None:
         fail(f"needs Python 3.11 or newer, this is {platform.python_version()} ({sys.executable})")
     uv = uv_binary()
     env = {**os.environ, "PATH": f"{uv.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # uv trusts only the roots it bundles unless told otherwise; Python, which fetched uv, and
+    # pip trust the system's store, where a TLS-intercepting proxy's root is installed.
+    env.setdefault(SYSTEM_CERTS, "true")
     command = [
         str(uv), "tool", "run", "--python", sys.executable, "--from", f"nox=={NOX_VERSION}",
         "nox", "--noxfile", str(ROOT / "noxfile.py"), *sys.argv[1:],

@@ -20,10 +20,26 @@ from pcc_plugin.doctor.report import (
     skipped,
     warned,
 )
-from pcc_plugin.resource import DeviceNode, DeviceType, HostMount, ResourceSpec, seen_from_here
+from pcc_plugin.resource import (
+    LOAD_SEV_GUEST,
+    NOT_AN_SEV_SNP_NODE,
+    START_PCC_SERVICE,
+    DeviceNode,
+    DeviceType,
+    HostMount,
+    ResourceSpec,
+    seen_from_here,
+)
 from pcc_plugin.sensitive import normalised
 
 DEVICE_WORDS: dict[DeviceType, str] = {"char": "a character device", "block": "a block device"}
+
+RIGHT_PATH = "give the daemon and the doctor the right path"
+# A profile's device or directory that is missing; the PCC profile's have fixes of their own.
+LOAD_DRIVER = f"load its driver on the host, or {RIGHT_PATH}"
+START_OWNER = f"start what creates it on the host, or {RIGHT_PATH}"
+PCC_DEVICE_MISSING = f"{LOAD_SEV_GUEST}; {NOT_AN_SEV_SNP_NODE}; or {RIGHT_PATH}"
+PCC_DIR_MISSING = f"{START_PCC_SERVICE}; or {RIGHT_PATH}"
 
 
 def _mounted_hint(host_root: str, host_path: str) -> str:
@@ -45,13 +61,10 @@ def glob_matches(node: DeviceNode, host_root: str) -> list[str]:
     return matches
 
 
-def check_device(node: DeviceNode, host_root: str) -> Result:
+def check_device(node: DeviceNode, host_root: str, load_driver: str = LOAD_DRIVER) -> Result:
+    """`load_driver`: the fix when there is no such device."""
     check = f"device {node.host_path}"
     wanted = DEVICE_WORDS[node.device_type]
-    load_driver = (
-        "load its driver on the host (for /dev/sev-guest: modprobe sev-guest, on an SEV-SNP "
-        "guest kernel), or give the daemon and the doctor the right path"
-    )
     if node.is_glob:
         matches = glob_matches(node, host_root)
         if not matches:
@@ -107,16 +120,15 @@ def _writable(check: str, mount: HostMount, path: str, host_root: str) -> Result
     )
 
 
-def check_mount(mount: HostMount, host_root: str) -> Result:
+def check_mount(mount: HostMount, host_root: str, create: str = START_OWNER) -> Result:
+    """`create`: the fix when there is no such directory."""
     check = f"{mount.label} {mount.host_path}"
     path = seen_from_here(host_root, mount.host_path)
     problem = expect_kind(
         check,
         path,
         "a directory",
-        f"create it on the host (mkdir -p {mount.host_path}; the service that owns it "
-        "usually does at start), or give the daemon and the doctor the right path"
-        + _mounted_hint(host_root, mount.host_path),
+        create + _mounted_hint(host_root, mount.host_path),
         f"make {mount.host_path} a directory on the host",
     )
     if problem:
@@ -166,8 +178,7 @@ def check_sev_guest(node: DeviceNode, host_root: str) -> Result:
             check,
             f"{sysfs_file} does not exist: the sev-guest driver is not loaded, so nothing says "
             f"that {path} ({numbers}) is the SEV-SNP guest device",
-            "on an SEV-SNP guest, load the driver (modprobe sev-guest); on other nodes there is "
-            "no PCC device: remove its label tke.cloud.tencent.com/pcc-device-plugin",
+            f"{LOAD_SEV_GUEST}; {NOT_AN_SEV_SNP_NODE}",
         )
     except OSError as exc:
         return warned(check, f"cannot read {sysfs_file}: {exc.strerror}", AS_ROOT)
@@ -187,7 +198,7 @@ def check_pcc_node(spec: ResourceSpec, host_root: str) -> list[Result]:
     (pcc_dir,) = spec.mounts
     return [
         through_symlink(
-            check_device(device, host_root),
+            check_device(device, host_root, PCC_DEVICE_MISSING),
             device.host_path,
             host_root,
             f"make {device.host_path} the device node itself (the sev-guest driver creates it), "
@@ -195,7 +206,7 @@ def check_pcc_node(spec: ResourceSpec, host_root: str) -> list[Result]:
         ),
         check_sev_guest(device, host_root),
         through_symlink(
-            check_mount(pcc_dir, host_root),
+            check_mount(pcc_dir, host_root, PCC_DIR_MISSING),
             pcc_dir.host_path,
             host_root,
             "give --pcc-socket-path the directory it leads to, so that the daemon checks and "

@@ -120,6 +120,9 @@ class SimKubelet:
         # Called with the plugin's socket while Register is in flight, before the dial back:
         # a test's way to be a tool that finds the socket at the worst moment.
         self.before_dial: Callable[[Path], None] | None = None
+        # Called with each accepted registration, under the simulator's lock: how the command
+        # tells `allocate` which endpoint a resource registered.
+        self.on_registered: Callable[[Registration], None] | None = None
 
     def __enter__(self) -> Self:
         self.start()
@@ -399,18 +402,17 @@ class SimKubelet:
         with self._changed:
             if error is None and generation != self._generation:
                 error = "kubelet is shutting down"
-            self._registrations.append(
-                Registration(
-                    version=request.version,
-                    endpoint=request.endpoint,
-                    resource_name=request.resource_name,
-                    accepted=error is None,
-                    error=error,
-                    options=options,
-                    received_at=received_at,
-                    answered_at=time.monotonic(),
-                )
+            registration = Registration(
+                version=request.version,
+                endpoint=request.endpoint,
+                resource_name=request.resource_name,
+                accepted=error is None,
+                error=error,
+                options=options,
+                received_at=received_at,
+                answered_at=time.monotonic(),
             )
+            self._registrations.append(registration)
             if error is not None:
                 self._record(f"rejected Register of {request.resource_name!r}: {error}")
             else:
@@ -418,6 +420,8 @@ class SimKubelet:
                     f"registered device plugin {request.resource_name} "
                     f"at endpoint {request.endpoint}"
                 )
+                if self.on_registered is not None:
+                    self.on_registered(registration)
                 if client is not None:
                     self._attach(client)
                 else:
