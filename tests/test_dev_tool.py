@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import http.server
 import io
-import json
 import os
 import platform
 import subprocess
@@ -24,18 +23,30 @@ RUNS = 6
 # Large enough that the runs' writes of it overlap when nothing orders them.
 PADDING = b"#" * (16 << 20)
 
-# Loads tools/dev.py with the index, the pin and the cache pointed at the test's, then runs it.
+# Loads tools/dev.py with the pin and the cache pointed at the test's, then runs it; pip
+# fetches from the index that PIP_INDEX_URL names.
 DRIVER = """
 import importlib.util, platform, sys
 from pathlib import Path
 spec = importlib.util.spec_from_file_location("dev", sys.argv[1])
 dev = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(dev)
-dev.INDEX, dev.CACHE = sys.argv[2], Path(sys.argv[3])
-dev.UV_WHEELS = {platform.machine(): (sys.argv[4], sys.argv[5])}
+dev.CACHE = Path(sys.argv[2])
+dev.UV_WHEELS = {platform.machine(): (sys.argv[3], sys.argv[4])}
 sys.argv = ["dev.py", "-s", "demo"]
 dev.main()
 """
+
+
+def pip_env(index: str) -> dict[str, str]:
+    """This environment, with pip asking only `index`, and nothing of pip's cache."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PIP_")}
+    quiet = {
+        "PIP_NO_CACHE_DIR": "1",
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+    return {**env, "PIP_INDEX_URL": index, **quiet}
 
 
 def fake_uv_wheel(version: str) -> bytes:
@@ -43,6 +54,13 @@ def fake_uv_wheel(version: str) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as wheel:
         wheel.writestr(f"uv-{version}.data/scripts/uv", script)
+        # What pip checks in a wheel it downloads.
+        info = f"uv-{version}.dist-info"
+        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: uv\nVersion: {version}\n")
+        wheel.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: py3-none-any\n"
+        )
+        wheel.writestr(f"{info}/RECORD", "")
     return buffer.getvalue()
 
 
@@ -50,7 +68,7 @@ def fake_uv_wheel(version: str) -> bytes:
 def index(tmp_path: Path) -> Iterator[tuple[str, str, str]]:
     """A package index serving the fake wheel once every run has asked for it."""
     version = "0.13.9"
-    filename = f"uv-{version}-fake.whl"
+    filename = f"uv-{version}-py3-none-any.whl"
     wheel = fake_uv_wheel(version)
     # Without the lock every run asks at once; with it only one does, served after the timeout.
     everyone_asked = threading.Barrier(RUNS, timeout=2)
@@ -58,13 +76,14 @@ def index(tmp_path: Path) -> Iterator[tuple[str, str, str]]:
     class Index(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path == "/uv/":
-                url = f"{base}/{filename}"
-                body = json.dumps({"files": [{"filename": filename, "url": url}]}).encode()
+                content_type = "text/html"
+                body = f'<a href="{base}/{filename}">{filename}</a>'.encode()
             else:
                 with contextlib.suppress(threading.BrokenBarrierError):
                     everyone_asked.wait()
-                body = wheel
+                content_type, body = "application/octet-stream", wheel
             self.send_response(200)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -92,7 +111,8 @@ def test_runs_started_together_all_get_a_runnable_uv(
     cache = tmp_path / "cache"
     runs = [
         subprocess.Popen(
-            [sys.executable, "-c", DRIVER, str(DEV), url, str(cache), filename, sha256],
+            [sys.executable, "-c", DRIVER, str(DEV), str(cache), filename, sha256],
+            env=pip_env(url),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
@@ -121,10 +141,10 @@ def test_uv_trusts_the_system_certificate_store_unless_told_otherwise(
     env = {name: value for name, value in os.environ.items() if name != "UV_SYSTEM_CERTS"}
     if given is not None:
         env["UV_SYSTEM_CERTS"] = given
-    # The uv in the cache is run as it is: the index and the wheel are never asked for.
-    unused = ("http://127.0.0.1:9", "unused.whl", "0" * 64)
+    # The uv in the cache is run as it is: the wheel is never asked for.
+    unused = ("unused.whl", "0" * 64)
     run = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(DEV), unused[0], str(cache), *unused[1:]],
+        [sys.executable, "-c", DRIVER, str(DEV), str(cache), *unused],
         env=env,
         capture_output=True,
         text=True,

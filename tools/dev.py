@@ -8,22 +8,23 @@
 Nothing is installed into that python3, so a distribution's own interpreter works as it is
 (Debian's and Ubuntu's refuse `pip install` outside a virtual environment, PEP 668). The
 first run fetches uv, a pinned release whose SHA-256 is checked, into .cache/dev/ in the
-repository; uv then runs the pinned nox, and nox's sessions make their virtual environments
-with uv from this same python3. uv trusts the system's certificate store, as Python does
-(UV_SYSTEM_CERTS=true, unless it is set already).
+repository, with this python3's pip (`pip download`: pip's own configuration, PIP_INDEX_URL
+or pip.conf, says where from); uv then runs the pinned nox, and nox's sessions make their
+virtual environments with uv from this same python3. uv trusts the system's certificate
+store, as Python does (UV_SYSTEM_CERTS=true, unless it is set already).
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import io
-import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -53,26 +54,11 @@ UV_WHEELS = {
 SYSTEM_CERTS = "UV_SYSTEM_CERTS"
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "dev" / f"uv-{UV_VERSION}"
-INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
 
 
 def fail(message: str) -> None:
     print(f"tools/dev.py: {message}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def wheel_url(filename: str) -> str:
-    request = urllib.request.Request(
-        f"{INDEX}/uv/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        files = json.load(response)["files"]
-    for entry in files:
-        if entry["filename"] == filename:
-            url: str = entry["url"]
-            return url
-    fail(f"{INDEX}/uv/ lists no {filename}")
-    raise AssertionError
 
 
 def uv_binary() -> Path:
@@ -95,16 +81,27 @@ def uv_binary() -> Path:
 
 
 def install(binary: Path, filename: str, sha256: str) -> None:
-    print(f"tools/dev.py: fetching uv {UV_VERSION} from {INDEX} (once)", file=sys.stderr)
-    try:
-        with urllib.request.urlopen(wheel_url(filename), timeout=300) as response:
-            data = response.read()
-    except OSError as exc:
-        fail(f"cannot fetch uv from {INDEX}: {exc}; set PIP_INDEX_URL for a mirror")
+    if importlib.util.find_spec("pip") is None:
+        fail(f"needs pip for {sys.executable} to fetch uv (Debian: apt-get install python3-pip)")
+    print(f"tools/dev.py: fetching uv {UV_VERSION} with pip (once)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=CACHE) as download:
+        fetch = [
+            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+            "--only-binary=:all:", "--dest", download, f"uv=={UV_VERSION}",
+        ]  # fmt: skip
+        if subprocess.run(fetch, check=False).returncode != 0:
+            fail(
+                f"pip could not fetch uv {UV_VERSION} (above); pip's configuration says where "
+                "from: set PIP_INDEX_URL for a mirror"
+            )
+        wheel = Path(download) / filename
+        if not wheel.exists():
+            fail(f"pip fetched {os.listdir(download)}, not {filename}")
+        data = wheel.read_bytes()
     if hashlib.sha256(data).hexdigest() != sha256:
         fail(f"{filename} does not have the expected SHA-256: refusing to run it")
-    with zipfile.ZipFile(io.BytesIO(data)) as wheel:
-        content = wheel.read(f"uv-{UV_VERSION}.data/scripts/uv")
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        content = archive.read(f"uv-{UV_VERSION}.data/scripts/uv")
     # Written under a name of its own and closed before the rename: exec fails (ETXTBSY) on a
     # file any process still holds open for writing.
     descriptor, staged = tempfile.mkstemp(dir=CACHE, prefix="uv.")
