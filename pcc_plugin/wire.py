@@ -14,7 +14,7 @@ tests/test_fuzz.py sends them as protobuf's own encoder writes them.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Union
 
 
@@ -127,37 +127,40 @@ def check(data: bytes, schema: Schema, start: int = 0, end: int | None = None) -
         pos += size
 
 
+def _values_of_field_1(data: bytes, start: int, end: int, name: str) -> Iterator[tuple[int, int]]:
+    """Where each value of field 1 (`name`, repeated, length-delimited) lies in the message
+    `data[start:end]`, in order; other fields are skipped. Raises WireError where a byte is
+    not as the field or the wire format demands."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(data, pos, end)
+        number, wire_type = key >> 3, key & 7
+        if number == 0:
+            raise WireError("field number 0 is not allowed")
+        if number != 1:
+            pos = _skip(data, pos, end, wire_type, number)
+            continue
+        if wire_type != _LENGTH:
+            raise WireError(f"field {name} is sent as {_WIRE_NAMES.get(wire_type, wire_type)}")
+        size, pos = _varint(data, pos, end)
+        if pos + size > end:
+            raise WireError(f"field {name} claims {size} bytes, {end - pos} follow")
+        yield pos, pos + size
+        pos += size
+
+
 def read_device_ids(data: bytes, limit: int, start: int = 0, end: int | None = None) -> list[str]:
     """The device IDs of a ContainerAllocateRequest or PreStartContainerRequest.
 
     Raises WireError at the first malformed byte, and TooMany as soon as
     there are more than `limit`.
     """
-    end = len(data) if end is None else end
     ids: list[str] = []
-    pos = start
-    while pos < end:
-        key = data[pos]
-        if key != 0x0A:  # anything but field 1, length-delimited: the general path
-            key, pos = _varint(data, pos, end)
-            if key >> 3 == 1:
-                raise WireError(f"field devices_ids is sent as {_WIRE_NAMES.get(key & 7, key & 7)}")
-            if key >> 3 == 0:
-                raise WireError("field number 0 is not allowed")
-            pos = _skip(data, pos, end, key & 7, key >> 3)
-            continue
-        size = data[pos + 1] if pos + 1 < end else 0x80
-        if size < 0x80:
-            pos += 2
-        else:
-            size, pos = _varint(data, pos + 1, end)
-        stop = pos + size
-        if stop > end:
-            raise WireError(f"field devices_ids claims {size} bytes, {end - pos} follow")
+    for begin, stop in _values_of_field_1(data, start, len(data) if end is None else end,
+                                          "devices_ids"):  # fmt: skip
         if len(ids) == limit:
             raise TooMany(limit)
-        ids.append(_text(data, pos, stop, "devices_ids"))
-        pos = stop
+        ids.append(_text(data, begin, stop, "devices_ids"))
     return ids
 
 
@@ -168,29 +171,14 @@ def read_allocate_request(data: bytes, max_containers: int, max_ids: int) -> lis
     as soon as a limit is passed, without reading further.
     """
     containers: list[list[str]] = []
-    pos, end, total = 0, len(data), 0
-    while pos < end:
-        key, pos = _varint(data, pos, end)
-        number, wire_type = key >> 3, key & 7
-        if number != 1:
-            if number == 0:
-                raise WireError("field number 0 is not allowed")
-            pos = _skip(data, pos, end, wire_type, number)
-            continue
-        if wire_type != _LENGTH:
-            raise WireError(
-                f"field container_requests is sent as {_WIRE_NAMES.get(wire_type, wire_type)}"
-            )
-        size, pos = _varint(data, pos, end)
-        if pos + size > end:
-            raise WireError(f"field container_requests claims {size} bytes, {end - pos} follow")
+    total = 0
+    for begin, stop in _values_of_field_1(data, 0, len(data), "container_requests"):
         if len(containers) == max_containers:
             raise TooManyContainers(max_containers)
         try:
-            ids = read_device_ids(data, max_ids - total, pos, pos + size)
+            ids = read_device_ids(data, max_ids - total, begin, stop)
         except TooMany:
             raise TooMany(max_ids) from None
         total += len(ids)
         containers.append(ids)
-        pos += size
     return containers
