@@ -5,10 +5,12 @@ our job: `register_with_kubelet` retries until kubelet accepts, and
 `reregister_when_stream_ends` restarts the generation when kubelet's
 ListAndWatch stream ends.
 
-A kubelet restart is answered at once, however often it comes: only the
-plugin's own faults (a refused Register, a socket it cannot serve, kubelet
-dropping the stream of a registration it accepted) wait, `RETRY_FIRST`
-doubling to `RETRY_CAP`, and only when they come back to back.
+A kubelet restart, or kubelet ending the stream while it still listens, is
+answered at once, however often it comes: only the plugin's own faults (a
+refused Register, a socket it cannot serve) wait, `RETRY_FIRST` doubling to
+`RETRY_CAP`, and only when they come back to back. A kubelet that is
+stopping still listens for a moment after it ended the stream; a Register it
+refuses then is retried, and the new kubelet.sock starts a generation at once.
 
 A kubelet restart is routine: while kubelet is unreachable, retries are
 `--v=1` lines; only after `UNREACHABLE_GRACE` does an error line say so (then
@@ -246,7 +248,8 @@ async def reregister_when_stream_ends(
                  kubelet_socket)  # fmt: skip
         restart(KUBELET_RESTARTED)
         return
-    log.warning("kubelet's ListAndWatch stream ended; registering again")
+    # A kubelet that is stopping ends the stream before it stops listening: routine.
+    log.info("kubelet's ListAndWatch stream ended; registering again")
     restart(STREAM_ENDED)
 
 

@@ -56,7 +56,6 @@ from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.plugin_dir import SocketNames, remove_stale_sockets, watch_plugin_dir
 from pcc_plugin.registration import (
     API_VERSION,
-    STREAM_ENDED,
     Backoff,
     KubeletLink,
     Reachability,
@@ -318,7 +317,8 @@ async def serve_resource(config: Flags, plugin: DevicePlugin, backoff: Backoff) 
 
 @attrs.frozen
 class Ending:
-    """Why a generation ended; after a fault the next one may have to wait."""
+    """Why a generation ended; after a fault of the plugin's own (a socket it cannot serve)
+    the next one may have to wait. Whatever kubelet does is answered at once."""
 
     reason: str
     fault: bool = False
@@ -404,7 +404,7 @@ async def serve_generation(
         nursery.start_soon(reregister_when_stream_ends, plugin_dir, link, restart)
         nursery.start_soon(forget_faults_when_stable, link, *backoffs)
     reason = restart.reason or "cancelled"
-    return Ending(reason, fault=reason == STREAM_ENDED)
+    return Ending(reason)
 
 
 def serving_failed(plugin: DevicePlugin, path: Path, error: OSError) -> Ending:
