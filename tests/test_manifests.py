@@ -881,7 +881,7 @@ def test_docs_nox_sessions_are_run_by_ci() -> None:
         for sessions in re.findall(r"(?:nox|tools/dev\.py) -s ((?:[\w-]+ ?)+)", line)
         for session in sessions.split()
     }
-    assert {"demo", "slow", "manifests", "image_bases", "image", "e2e"} <= in_ci
+    assert {"demo", "slow", "manifests", "image_bases", "image", "e2e", "cluster"} <= in_ci
     for block in shell_blocks():
         for command in commands(block):
             match = NOX.match(command)
