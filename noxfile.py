@@ -348,9 +348,10 @@ def native_image_archive(session: nox.Session) -> Path:
 def e2e(session: nox.Session) -> None:
     """The image as static pods on a real kubelet and containerd; see docs/e2e.md.
 
-    Needs root, containerd, runc, Go, kubectl, and podman and debootstrap when the image archive
-    must be built (.ci/run installs them). Kubelet is built from source once per version into
-    the cache directory. Arguments go to `python -m e2e` (e.g. --keep-logs, --variant=plugin).
+    Needs root, runc, Go, kubectl, and podman and debootstrap when the image archive must be
+    built (.ci/run installs them). Kubelet and containerd are built from source once per version
+    into the cache directory (tools/e2e/builds.py). Arguments go to `python -m e2e` (e.g.
+    --keep-logs, --variant=plugin, --race=N).
     """
     env = {"PYTHONPATH": str(ROOT / "tools")}
     install_dev(session)
@@ -359,6 +360,26 @@ def e2e(session: nox.Session) -> None:
     archive = native_image_archive(session)
     session.run(
         "python", "-m", "e2e", "--plugin-image", str(archive), *session.posargs,
+        env=env, interrupt_timeout=150,
+    )  # fmt: skip
+
+
+@nox.session
+def cluster(session: nox.Session) -> None:
+    """The image installed with kubectl, as the README says, on a one-node cluster; see
+    docs/e2e.md.
+
+    etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubelet at kubelet's
+    version, and containerd 2.x, each built from source once per version into the cache
+    directory (tools/e2e/builds.py). Needs what the e2e needs, and openssl and the CNI plugins
+    (containernetworking-plugins). Arguments go to `python -m e2e cluster` (e.g. --keep-logs).
+    """
+    env = {"PYTHONPATH": str(ROOT / "tools")}
+    install_dev(session)
+    session.run("python", "-m", "e2e", "preflight", "--cluster", env=env)
+    archive = native_image_archive(session)
+    session.run(
+        "python", "-m", "e2e", "cluster", "--plugin-image", str(archive), *session.posargs,
         env=env, interrupt_timeout=150,
     )  # fmt: skip
 

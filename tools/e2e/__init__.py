@@ -1,21 +1,29 @@
-"""`nox -s e2e`: the shipped image as static pods on a real kubelet and containerd.
+"""`nox -s e2e` and `nox -s cluster`: the shipped image on a real kubelet and containerd, as static
+pods (e2e) and installed with kubectl on a one-node cluster (cluster).
 
 Modules (run as ``PYTHONPATH=tools python -m e2e``, see ``__main__``):
 
-``kubelet_build``
-    Builds kubelet from source at the version pinned in ``kubelet/go.mod``, through the Go module
-    proxy, into a cache directory keyed on that version. Standard library only, so that CI can
-    start it in the background before anything else is installed.
+``builds``
+    Builds containerd, kubelet, the control plane and etcd from source, each at the version its
+    Go module under this directory pins, through the Go module proxy, into a cache directory
+    keyed on that version. Standard library only, so that CI can start it in the background
+    before anything else is installed.
 ``images``
     The sandbox ("pause") image, built from ``pause/main.go`` into a docker-archive tarball.
 ``node``
-    The node: a private mount, PID and network namespace with containerd and kubelet in it.
-``api``
-    Kubelet's pod-resources gRPC API (our own client, ``podresources.proto``) and its HTTPS API.
+    The node: private mount, PID and network namespaces with containerd and kubelet in them.
+``control_plane``
+    The cluster's etcd, kube-apiserver, kube-controller-manager and kube-scheduler, and the
+    certificates they use.
+``api``, ``kube``
+    Kubelet's pod-resources gRPC API (our own client, ``podresources.proto``) and its HTTPS API;
+    the API server's, with kubectl.
 ``pods``
-    Static pods rendered from the shipped kustomizations through the overlays in ``manifests/``.
-``scenario``
-    The checks and the figures.
+    Pods rendered from the shipped kustomizations through the components in ``manifests/``.
+``kubelet_log``
+    Kubelet's own log, read for when its device manager did what.
+``scenario``, ``cluster``
+    The checks and the figures of each session; ``report`` prints them.
 
-docs/e2e.md says how to run it, what it checks and what it leaves behind.
+docs/e2e.md says how to run them, what they check and what they leave behind.
 """

@@ -1,11 +1,12 @@
-"""``python -m e2e``: run the e2e (``nox -s e2e`` does, with the image archive).
+"""``python -m e2e``: run the e2e or the cluster (``nox -s e2e`` and ``nox -s cluster`` do).
 
     PYTHONPATH=tools python -m e2e --plugin-image build/images/pcc-device-plugin-linux-amd64.tar
-    PYTHONPATH=tools python -m e2e preflight     # root and the tools, nothing else
+    PYTHONPATH=tools python -m e2e cluster --plugin-image build/images/...-amd64.tar
+    PYTHONPATH=tools python -m e2e preflight [--cluster]   # root and the tools, nothing else
 
-Outside the namespaces: checks, the kubelet binary (cached or built), the pause image, a state
-directory, then ``unshare ... python -m e2e inside`` and the clean-up after it. Logs go to
-``build/e2e/logs-<UTC time>/`` (containerd.log, kubelet.log, and on failure pods/ with every
+Outside the namespaces: checks, the binaries (cached or built, e2e.builds), the pause image, a
+state directory, then ``unshare ... python -m e2e inside`` and the clean-up after it. Logs go to
+``build/<session>/logs-<UTC time>/`` (every daemon's log, and on failure pods/ with every
 container's log as kubelet kept it); they are removed after a run that passed, unless
 ``--keep-logs``.
 """
@@ -26,12 +27,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = ("containerd", "runc", "ctr", "unshare", "mount", "ip", "kubectl", "go")
+TOOLS = ("runc", "unshare", "mount", "ip", "kubectl", "go")
+# The cluster's certificates, and the CNI plugins its pods' network is made with.
+CLUSTER_TOOLS = ("openssl",)
+CNI_PLUGINS = ("bridge", "host-local", "loopback")
 CGROUPS = Path("/sys/fs/cgroup")
 
 
-def preflight() -> list[str]:
-    problems = [f"{tool} is not on PATH" for tool in TOOLS if shutil.which(tool) is None]
+def preflight(cluster: bool) -> list[str]:
+    from .node import CNI_PLUGINS as CNI_DIRECTORY
+
+    tools = TOOLS + CLUSTER_TOOLS * cluster
+    problems = [f"{tool} is not on PATH" for tool in tools if shutil.which(tool) is None]
+    if cluster:
+        problems += [
+            f"no CNI plugin {plugin} in {CNI_DIRECTORY} (Debian: containernetworking-plugins)"
+            for plugin in CNI_PLUGINS
+            if not (Path(CNI_DIRECTORY) / plugin).exists()
+        ]
     if os.geteuid() != 0:
         problems.append("needs root")
     return problems
@@ -78,33 +91,57 @@ def _wait_interruptibly(process: subprocess.Popen[bytes], grace: float = 120) ->
         raise
 
 
-def run(args: argparse.Namespace) -> int:
-    from . import images, kubelet_build
+def _binaries(cluster: bool) -> list[str]:
+    """The binaries' arguments for `inside`: built or cached (e2e.builds), versions printed."""
+    from . import builds
 
-    problems = preflight()
+    def log(line: str) -> None:
+        print(f"e2e: {line}", flush=True)
+
+    kubelet = builds.kubelet(log)
+    found = {"kubelet": kubelet, "containerd": builds.ensure("containerd", log) / "containerd"}
+    if cluster:
+        control_plane = builds.ensure("control-plane", log)
+        found["kube-apiserver"] = control_plane / "kube-apiserver"
+        found["etcd"] = builds.ensure("etcd", log) / "etcd"
+    for binary in found.values():
+        version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True)
+        log(f"{binary}: {version.stdout.strip().splitlines()[0]}")
+    argv = ["--kubelet", str(kubelet), "--containerd", str(found["containerd"].parent)]
+    if cluster:
+        argv += ["--control-plane", str(control_plane), "--etcd", str(found["etcd"])]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import images
+
+    cluster = args.command == "cluster"
+    session = "cluster" if cluster else "e2e"
+    problems = preflight(cluster)
     if problems:
-        raise SystemExit("e2e: " + "; ".join(problems) + " (see docs/e2e.md)")
+        raise SystemExit(f"{session}: " + "; ".join(problems) + " (see docs/e2e.md)")
     started = time.monotonic()
-    kubelet = kubelet_build.ensure(lambda line: print(f"e2e: {line}", flush=True))
-    version = subprocess.run([kubelet, "--version"], capture_output=True, text=True, check=True)
-    print(f"e2e: {kubelet}: {version.stdout.strip()}", flush=True)
+    binaries = _binaries(cluster)
     pause, pause_reference = images.pause_archive()
     plugin_archive = Path(args.plugin_image).resolve()
     plugin_references = _image_references(plugin_archive)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    logs = ROOT / "build" / "e2e" / f"logs-{stamp}"
+    logs = ROOT / "build" / session / f"logs-{stamp}"
     logs.mkdir(parents=True)
-    state = Path(tempfile.mkdtemp(prefix="pcc-e2e-", dir="/tmp"))
+    state = Path(tempfile.mkdtemp(prefix=f"pcc-{session}-", dir="/tmp"))
     cgroups_before = _cgroups()
-    print(f"e2e: setup took {time.monotonic() - started:.0f} s; logs in {logs}", flush=True)
+    print(f"{session}: setup took {time.monotonic() - started:.0f} s; logs in {logs}", flush=True)
     argv = [
         "unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
         "--net", "--kill-child",
-        sys.executable, "-m", "e2e", "inside", "--state", str(state), "--logs", str(logs),
-        "--kubelet", str(kubelet), "--pause-image", str(pause), "--pause-reference",
+        sys.executable, "-m", "e2e", "inside", "--session", session, "--state", str(state),
+        "--logs", str(logs), *binaries, "--pause-image", str(pause), "--pause-reference",
         pause_reference, "--plugin-image", str(plugin_archive), "--plugin-reference",
-        plugin_references[0], *(f"--variant={v}" for v in args.variant or ()),
+        plugin_references[0],
     ]  # fmt: skip
+    if not cluster:
+        argv += [*(f"--variant={v}" for v in args.variant or ()), f"--race={args.race}"]
     code = 1
     try:
         code = _wait_interruptibly(subprocess.Popen(argv, env=dict(os.environ)))
@@ -113,12 +150,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             state.rmdir()
         except OSError as error:
-            print(f"e2e: left {state}: {error}", file=sys.stderr)
+            print(f"{session}: left {state}: {error}", file=sys.stderr)
         if code == 0 and not args.keep_logs:
             shutil.rmtree(logs)
         else:
-            print(f"e2e: logs kept in {logs}", file=sys.stderr)
-    print(f"e2e: {'passed' if code == 0 else 'FAILED'} in {time.monotonic() - started:.0f} s")
+            print(f"{session}: logs kept in {logs}", file=sys.stderr)
+    print(f"{session}: {'passed' if code == 0 else 'FAILED'} in {time.monotonic() - started:.0f} s")
     return code
 
 
@@ -130,6 +167,10 @@ def inside(args: argparse.Namespace) -> int:
     return trio.run(harness.main, args)
 
 
+# Kubelet restarts per variant in the race check (scenario.Variant.race); issue 26's protocol.
+RACE_ROUNDS = 10
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m e2e",
@@ -137,31 +178,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command")
-    commands.add_parser("preflight", help="check root and the tools; change nothing")
-    for name in ("run", "inside"):
+    preflight_command = commands.add_parser("preflight", help="check root and the tools only")
+    preflight_command.add_argument("--cluster", action="store_true", help="for nox -s cluster")
+    for name in ("run", "cluster", "inside"):
         command = commands.add_parser(name)
         command.add_argument("--plugin-image", required=True, help="docker-archive tarball")
-        command.add_argument(
+    for name in ("run", "inside"):
+        commands.choices[name].add_argument(
             "--variant", action="append", choices=("plugin", "plugin-hardened"),
             help="run only this pod template (repeatable; default: both)",
         )  # fmt: skip
-    commands.choices["run"].add_argument("--keep-logs", action="store_true")
+        commands.choices[name].add_argument(
+            "--race", type=int, default=RACE_ROUNDS, metavar="N",
+            help=f"kubelet restarts per variant in the race check (default {RACE_ROUNDS})",
+        )  # fmt: skip
+    for name in ("run", "cluster"):
+        commands.choices[name].add_argument("--keep-logs", action="store_true")
     inner = commands.choices["inside"]
-    for option in ("--state", "--logs", "--kubelet", "--pause-image", "--pause-reference",
-                   "--plugin-reference"):  # fmt: skip
+    inner.add_argument("--session", choices=("e2e", "cluster"), required=True)
+    for option in ("--state", "--logs", "--kubelet", "--containerd", "--pause-image",
+                   "--pause-reference", "--plugin-reference"):  # fmt: skip
         inner.add_argument(option, required=True)
+    inner.add_argument("--control-plane")
+    inner.add_argument("--etcd")
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments and arguments[0].startswith("--"):
         arguments.insert(0, "run")
     args = parser.parse_args(arguments)
     if args.command == "preflight":
-        problems = preflight()
+        problems = preflight(args.cluster)
         for problem in problems:
             print(f"e2e preflight: {problem}", file=sys.stderr)
         return 1 if problems else 0
     if args.command == "inside":
         return inside(args)
-    if args.command == "run":
+    if args.command in ("run", "cluster"):
         return run(args)
     parser.print_help()
     return 2

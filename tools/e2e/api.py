@@ -14,12 +14,15 @@ runs a command in a container through the runtime's ExecSync, its arguments spli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -68,6 +71,46 @@ async def allocatable(resource: str) -> list[str]:
         if devices.resource_name == resource
         for device_id in devices.device_ids
     )
+
+
+def _count(response: Any, resource: str) -> int:
+    return sum(len(d.device_ids) for d in response.devices if d.resource_name == resource)
+
+
+def _sample(
+    resource: str, interval: float, stop: threading.Event, samples: list[tuple[float, int]]
+) -> None:
+    """GetAllocatableResources every `interval` seconds over one channel until `stop`:
+    (CLOCK_BOOTTIME, allocatable count; -1 when kubelet did not answer)."""
+    with grpc.insecure_channel(f"unix://{POD_RESOURCES_SOCKET}") as channel:
+        stub = channel.unary_unary(
+            GET_ALLOCATABLE,
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=pb.AllocatableResourcesResponse.FromString,
+        )
+        while not stop.is_set():
+            try:
+                count = _count(stub(pb.AllocatableResourcesRequest(), timeout=1), resource)
+            except grpc.RpcError:
+                count = -1
+            samples.append((time.clock_gettime(time.CLOCK_BOOTTIME), count))
+            stop.wait(interval)
+
+
+@contextlib.asynccontextmanager
+async def sampling_allocatable(
+    resource: str, interval: float
+) -> AsyncIterator[list[tuple[float, int]]]:
+    """Kubelet's allocatable count of `resource`, read every `interval` seconds while inside
+    (the Node's status only refreshes every 10 s); the samples, (time, count)."""
+    samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, _sample, resource, interval, stop, samples)
+        try:
+            yield samples
+        finally:
+            stop.set()
 
 
 async def assigned(resource: str) -> dict[tuple[str, str, str], list[str]]:

@@ -1,8 +1,10 @@
-"""PID 1 of the node's namespaces: set the node up, run the scenario, tear everything down.
+"""PID 1 of the node's namespaces: set the node up, run the checks, tear everything down.
 
-The first SIGINT or SIGTERM cancels the scenario; the tear-down then runs shielded, with a
-timeout on each step, and later signals are ignored. Whatever it does not stop, the kernel kills
-when this process exits.
+The e2e (``--session e2e``): containerd and a standalone kubelet, then scenario.py. The cluster
+(``--session cluster``): containerd, the control plane (control_plane.py) and kubelet joining
+it, then cluster.py. The first SIGINT or SIGTERM cancels the checks; the tear-down then runs
+shielded, with a timeout on each step, and later signals are ignored. Whatever it does not stop,
+the kernel kills when this process exits.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
 
 from . import api, pods, scenario
+from .control_plane import ControlPlane
 from .node import CONTAINERD_SOCKET, Node, privatise
 from .poll import wait_for
+from .report import Report, now
 
 
 async def _cancel_on_signal(scope: trio.CancelScope) -> None:
@@ -55,24 +60,29 @@ async def start_kubelet(node: Node) -> None:
     await wait_for("kubelet's pod-resources API", lambda: _kubelet_answers(node), 60)
 
 
-async def start_node(node: Node, args: argparse.Namespace, report: scenario.Report) -> None:
+async def start_containerd_with_images(
+    node: Node, args: argparse.Namespace, report: Report, names: set[str]
+) -> None:
+    """containerd, with the pause image and the plugin's image, the latter also as `names`."""
     node.write_containerd_config(args.pause_reference)
-    started = scenario.now()
+    started = now()
     await start_containerd(node)
-    report.figure("containerd started → answers", scenario.now() - started)
-    started = scenario.now()
+    report.figure("containerd started → answers", now() - started)
+    started = now()
     for archive in (args.pause_image, args.plugin_image):
         await node.ctr("images", "import", archive, within=300)
+    for reference in sorted(names - {args.plugin_reference}):
+        await node.ctr("images", "tag", "--force", args.plugin_reference, reference)
+    report.figure("images imported into containerd", now() - started)
+
+
+async def start_node(node: Node, args: argparse.Namespace, report: Report) -> None:
     # The plugin's image under every name the rendered pods use (the consumer's included).
     wanted = set().union(*(pods.images(pods.plugin_pod(v)) for v in scenario.VARIANTS))
     wanted |= pods.images(pods.consumer_pod("default", "consumer"))
-    for reference in sorted(wanted - {args.plugin_reference}):
-        await node.ctr("images", "tag", "--force", args.plugin_reference, reference)
-    report.figure("images imported into containerd", scenario.now() - started)
+    await start_containerd_with_images(node, args, report, wanted)
     await start_kubelet(node)
-    report.figure(
-        "kubelet started → pod-resources answers", scenario.now() - node.kubelet.started_at
-    )
+    report.figure("kubelet started → pod-resources answers", now() - node.kubelet.started_at)
 
 
 async def reset_node(node: Node) -> None:
@@ -90,18 +100,34 @@ async def reset_node(node: Node) -> None:
     await start_kubelet(node)
 
 
-async def tear_down(node: Node) -> None:
-    """Stop kubelet, every container, containerd: each step bounded, each failure reported."""
-    for step, action in (
+async def tear_down(node: Node, control_plane: ControlPlane | None) -> None:
+    """Stop kubelet, every container, containerd, the control plane: each step bounded, each
+    failure reported."""
+    steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
         ("stop kubelet", node.kubelet.stop),
         ("stop the containers", node.stop_all_containers),
         ("stop containerd", node.containerd.stop),
-    ):
+    ]
+    if control_plane is not None:
+        steps.append(("stop the control plane", control_plane.stop))
+    for step, action in steps:
         try:
             with trio.fail_after(60):
                 await action()
         except Exception as error:  # report it and go on: the kernel does the rest
             print(f"e2e: tear-down: {step}: {error!r}", file=sys.stderr, flush=True)
+
+
+def check_failures(error: Exception) -> list[AssertionError]:
+    """The failed checks that `error` is, alone or grouped by nurseries; [] if it is anything
+    else too (a bug of the checks, shown with its traceback)."""
+    if isinstance(error, AssertionError):
+        return [error]
+    if isinstance(error, ExceptionGroup):
+        failures, rest = error.split(AssertionError)
+        if failures is not None and rest is None:
+            return [leaf for group in failures.exceptions for leaf in check_failures(group)]
+    return []
 
 
 def keep_pod_logs(logs: Path) -> None:
@@ -116,32 +142,55 @@ async def main(args: argparse.Namespace) -> int:
     state, logs = Path(args.state), Path(args.logs)
     privatise(state)
     scenario.make_node_files()
-    node = Node(state=state, logs=logs, kubelet_binary=Path(args.kubelet))
-    report = scenario.Report(variant="node")
-    variants = args.variant or list(scenario.VARIANTS)
+    report = Report(variant="node")
     outcome = "cancelled"
     started = time.monotonic()
     with trio.CancelScope() as work:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_signal, work)
+            control_plane = None
+            if args.session == "cluster":
+                control_plane = ControlPlane(state, logs, Path(args.control_plane), Path(args.etcd))
+            joining: dict[str, Path] = {}
+            if control_plane is not None:
+                joining["kubeconfig"] = control_plane.kubelet_kubeconfig
+                joining["client_ca"] = control_plane.pki.ca.certificate
+            node = Node(state, logs, Path(args.kubelet), Path(args.containerd), nursery, **joining)
             try:
-                await start_node(node, args, report)
-                await scenario.run(node, report, variants, reset=lambda: reset_node(node))
-                outcome = "passed"
-            except AssertionError as failure:
+                if control_plane is None:
+                    await start_node(node, args, report)
+                    await scenario.run(
+                        node, report, args.variant or list(scenario.VARIANTS), args.race,
+                        reset=lambda: reset_node(node),
+                    )  # fmt: skip
+                else:
+                    from . import cluster
+
+                    node.write_cni_config()
+                    consumer_images = pods.images(pods.cluster_consumer_pod())
+                    await start_containerd_with_images(node, args, report, consumer_images)
+                    await cluster.run(node, control_plane, report, args.plugin_reference)
+                outcome = "failed" if report.failures else "passed"
+            except Exception as error:
                 outcome = "failed"
-                report.say("FAIL", str(failure))
-            except Exception:
-                outcome = "failed"
-                report.say("ERROR", "")
-                traceback.print_exc()
+                failed = check_failures(error)
+                for failure in failed:
+                    report.say("FAIL", str(failure))
+                if not failed:
+                    report.say("ERROR", "")
+                    traceback.print_exc()
             finally:
                 with trio.CancelScope(shield=True):
                     keep_pod_logs(logs)
-                    await tear_down(node)
+                    await tear_down(node, control_plane)
                 nursery.cancel_scope.cancel()
     print(f"\n{report.table()}\n", flush=True)
     for fact in report.facts:
         print(f"observed: {fact}")
-    print(f"e2e {outcome} after {time.monotonic() - started:.0f} s inside the node's namespaces")
+    for text in report.failures:
+        print(f"FAILED: {text}")
+    print(
+        f"{args.session} {outcome} after {time.monotonic() - started:.0f} s inside the node's "
+        "namespaces"
+    )
     return 0 if outcome == "passed" else 1

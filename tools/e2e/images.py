@@ -18,7 +18,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .kubelet_build import CACHE
+from .builds import CACHE
 
 PAUSE_SOURCE = Path(__file__).resolve().parent / "pause"
 PAUSE_REPOSITORY = "localhost/pcc-e2e/pause"

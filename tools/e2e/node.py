@@ -1,7 +1,7 @@
 """The e2e node: containerd and kubelet in private mount, PID and network namespaces.
 
-``outside`` (run by ``python -m e2e``) prepares what needs the real machine (the kubelet binary,
-the images, a state directory) and starts ``python -m e2e inside`` under
+``outside`` (run by ``python -m e2e``) prepares what needs the real machine (the binaries, the
+images, a state directory) and starts ``python -m e2e inside --session e2e|cluster`` under
 ``unshare --mount --propagation private --pid --fork --mount-proc --net --kill-child``. There,
 before anything starts, :func:`privatise` makes the machine's state private:
 
@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -43,6 +44,8 @@ NODE_LABELS = "tke.cloud.tencent.com/pcc-device-plugin=true"
 KUBELET_PORT = 10250
 KUBELET_HEALTHZ_PORT = 10248
 CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
+# Debian's containernetworking-plugins (bridge, host-local, loopback) for the cluster's pods.
+CNI_PLUGINS = "/usr/lib/cni"
 CTR_TIMEOUT = 60
 # kubelet's setupKernelTunables (pkg/kubelet/cm/container_manager_linux.go) sets these.
 KUBELET_SYSCTLS = (
@@ -118,14 +121,23 @@ def privatise(state: Path) -> None:
 
 @attrs.define
 class Daemon:
-    """A daemon the node runs (containerd, kubelet), in a session of its own, logging to a file."""
+    """A daemon the node runs (containerd, kubelet, ...), in a session of its own, logging to a
+    file: directly, or, given a nursery, through a pipe that this process copies line by line,
+    so that an action can follow a line the moment the daemon writes it (:meth:`on_line`)."""
 
     name: str
     argv: list[str]
     log: Path
+    nursery: trio.Nursery | None = None
     process: trio.Process | None = None
     started_at: float = 0.0
     starts: int = 0
+    actions: list[tuple[str, Callable[[], None]]] = attrs.field(factory=list)
+
+    def on_line(self, words: str, action: Callable[[], None]) -> None:
+        """Call `action` once, as soon as the daemon writes a line containing `words`."""
+        assert self.nursery is not None, f"{self.name}'s output is not watched"
+        self.actions.append((words, action))
 
     async def start(self) -> None:
         assert self.process is None, f"{self.name} already runs"
@@ -135,8 +147,31 @@ class Daemon:
             out.flush()
             self.started_at = time.clock_gettime(time.CLOCK_BOOTTIME)
             self.process = await trio.lowlevel.open_process(
-                self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out if self.nursery is None else subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+        if self.nursery is not None:
+            assert self.process.stdout is not None
+            self.nursery.start_soon(self._copy_output, self.process.stdout)
+
+    async def _copy_output(self, output: trio.abc.ReceiveStream) -> None:
+        pending = b""
+        with self.log.open("ab", buffering=0) as out:
+            async with output:
+                async for chunk in output:
+                    out.write(chunk)
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for line in lines:
+                        self._act_on(line.decode(errors="replace"))
+
+    def _act_on(self, line: str) -> None:
+        for entry in list(self.actions):
+            if entry[0] in line:
+                self.actions.remove(entry)
+                entry[1]()
 
     async def stop(self, grace: float = 20) -> int | None:
         """SIGTERM, then SIGKILL after `grace` seconds; the exit status (None if not running)."""
@@ -151,6 +186,14 @@ class Daemon:
         with trio.fail_after(10):
             return await process.wait()
 
+    async def kill(self) -> None:
+        """SIGKILL, as a crash or the OOM killer ends it."""
+        process, self.process = self.process, None
+        assert process is not None, f"{self.name} does not run"
+        process.kill()
+        with trio.fail_after(10):
+            await process.wait()
+
     def check_running(self) -> None:
         if self.process is None or self.process.returncode is not None:
             code = None if self.process is None else self.process.returncode
@@ -158,18 +201,16 @@ class Daemon:
 
 
 def containerd_config(state: Path, sandbox_image: str) -> str:
+    """containerd 2.x's configuration (version 3). CNI: the configurations in the state
+    directory's cni/net.d (none for the e2e, whose pods use the host network), Debian's plugins."""
     cni = state / "cni"
     return f"""\
-version = 2
+version = 3
 root = "/var/lib/containerd"
 state = "/run/containerd"
-# Nothing the e2e needs; opt would create /opt/containerd.
+# Nothing the sessions need; opt would create /opt/containerd on the machine.
 disabled_plugins = [
   "io.containerd.internal.v1.opt",
-  "io.containerd.snapshotter.v1.aufs",
-  "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.snapshotter.v1.zfs",
   "io.containerd.tracing.processor.v1.otlp",
   "io.containerd.internal.v1.tracing",
 ]
@@ -177,39 +218,82 @@ disabled_plugins = [
 [grpc]
   address = "{CONTAINERD_SOCKET}"
 
-[plugins."io.containerd.grpc.v1.cri"]
-  # Built locally and imported: nothing can be pulled here.
-  sandbox_image = "{sandbox_image}"
+[debug]
+  # Debug: containerd says which CDI devices kubelet asked for (cluster check 4).
+  level = "debug"
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    # Built locally and imported: nothing can be pulled here.
+    sandbox = "{sandbox_image}"
+
+[plugins."io.containerd.cri.v1.runtime"]
   # This machine lacks CAP_SYS_RESOURCE; without this runc fails with
   # "can't get final child's PID from pipe".
   restrict_oom_score_adj = true
   enable_selinux = false
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  # CDI specs as the runtime reads them on a node (the default directories, said here).
+  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+  [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-  # No CNI: every pod of the e2e uses the host network (the namespace's).
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{cni / "bin"}"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["{CNI_PLUGINS}"]
     conf_dir = "{cni / "net.d"}"
 """
 
 
-def kubelet_config(static_pods: Path) -> str:
-    return f"""\
-apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-# Standalone: no API server; pods come from files, and anyone on the namespace's loopback may use
-# kubelet's API (/pods, /run, /metrics/probes), which the checks read.
-staticPodPath: {static_pods}
+# Addresses from host-local's own state under /var/lib/cni (private to the namespace); no masquerade
+# and no port mapping, which would need iptables: nothing leaves the namespace.
+CNI_CONFIG = """\
+{
+  "cniVersion": "1.0.0",
+  "name": "pcc-e2e",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "pcc-e2e0",
+      "isGateway": true,
+      "ipMasq": false,
+      "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]]}
+    }
+  ]
+}
+"""
+
+
+def kubelet_config(static_pods: Path, client_ca: Path | None) -> str:
+    """Standalone (no `client_ca`): pods come from files, and anyone on the namespace's loopback
+    may use kubelet's API (/pods, /run, /metrics/probes), which the checks read. In a cluster:
+    kubelet's API as a cluster has it, for clients with a certificate of the cluster's CA
+    (the API server's), each request authorised by the API server."""
+    if client_ca is None:
+        access = """\
 authentication:
   anonymous:
     enabled: true
   webhook:
     enabled: false
 authorization:
-  mode: AlwaysAllow
+  mode: AlwaysAllow"""
+    else:
+        access = f"""\
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: true
+  x509:
+    clientCAFile: {client_ca}
+authorization:
+  mode: Webhook"""
+    return f"""\
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+staticPodPath: {static_pods}
+{access}
 readOnlyPort: 0
 containerRuntimeEndpoint: unix://{CONTAINERD_SOCKET}
 # This machine: cgroup v1, no systemd, swap allowed.
@@ -223,11 +307,20 @@ failSwapOn: false
 
 @attrs.define
 class Node:
-    """containerd and kubelet, started and stopped in order; call inside the namespace only."""
+    """containerd and kubelet, started and stopped in order; call inside the namespace only.
+
+    Standalone without `kubeconfig` (the e2e: static pods, labelled at start); with it, kubelet
+    joins the cluster that the kubeconfig names, unlabelled, and accepts clients of `client_ca`.
+    Kubelet's output goes through `nursery` (:meth:`Daemon.on_line`).
+    """
 
     state: Path
     logs: Path
     kubelet_binary: Path
+    containerd_binaries: Path
+    nursery: trio.Nursery
+    kubeconfig: Path | None = None
+    client_ca: Path | None = None
     containerd: Daemon = attrs.field(init=False)
     kubelet: Daemon = attrs.field(init=False)
     static_pods: Path = attrs.field(init=False)
@@ -240,22 +333,33 @@ class Node:
             directory.mkdir(parents=True, exist_ok=True)
         config = self.state / "containerd.toml"
         self.containerd = Daemon(
-            "containerd", ["containerd", "--config", str(config)], self.logs / "containerd.log"
+            "containerd",
+            [str(self.containerd_binaries / "containerd"), "--config", str(config)],
+            self.logs / "containerd.log",
         )
         kubelet_config_file = self.state / "kubelet.yaml"
-        kubelet_config_file.write_text(kubelet_config(self.static_pods))
+        kubelet_config_file.write_text(kubelet_config(self.static_pods, self.client_ca))
+        joining = (
+            [f"--kubeconfig={self.kubeconfig}"]
+            if self.kubeconfig
+            else [f"--node-labels={NODE_LABELS}"]
+        )
         self.kubelet = Daemon(
             "kubelet",
             [
                 str(self.kubelet_binary), f"--config={kubelet_config_file}",
-                f"--hostname-override={NODE_NAME}", f"--node-ip={NODE_IP}",
-                f"--node-labels={NODE_LABELS}", "--v=2",
+                f"--hostname-override={NODE_NAME}", f"--node-ip={NODE_IP}", *joining, "--v=2",
             ],
             self.logs / "kubelet.log",
+            nursery=self.nursery,
         )  # fmt: skip
 
     def write_containerd_config(self, sandbox_image: str) -> None:
         (self.state / "containerd.toml").write_text(containerd_config(self.state, sandbox_image))
+
+    def write_cni_config(self) -> None:
+        """A bridge for pods off the host network (the cluster's), its gateway on the node."""
+        (self.state / "cni" / "net.d" / "10-pcc-e2e.conflist").write_text(CNI_CONFIG)
 
     def put_static_pod(self, namespace: str, name: str, manifest: str) -> None:
         """Into staticPodPath by rename: kubelet never reads a half-written file."""
@@ -278,7 +382,14 @@ class Node:
         """
         with trio.fail_after(within):
             result = await trio.run_process(
-                ["ctr", "--address", CONTAINERD_SOCKET, "--namespace", "k8s.io", *args],
+                [
+                    str(self.containerd_binaries / "ctr"),
+                    "--address",
+                    CONTAINERD_SOCKET,
+                    "--namespace",
+                    "k8s.io",
+                    *args,
+                ],
                 capture_stdout=True,
                 capture_stderr=True,
                 check=False,

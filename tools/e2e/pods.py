@@ -1,7 +1,8 @@
-"""Static pods rendered from the shipped kustomizations, through ``manifests/this-machine``.
+"""Pods rendered from the shipped kustomizations, through the components in ``manifests/``.
 
 ``kubectl kustomize tools/e2e/manifests/<name>`` renders the shipped base, the hardened overlay or
-the confidential-app example with the one component that says what differs on the e2e node. A
+the confidential-app example with the components that say what differs on the e2e node
+(``this-machine``) and that nothing can be pulled (``no-pull``). A
 DaemonSet becomes a static pod as the DaemonSet controller makes its pods: the pod template's
 metadata and spec as they are, the DaemonSet's name and namespace. Other kinds (the
 ServiceAccount) have no meaning to a standalone kubelet and are dropped.
@@ -58,6 +59,11 @@ def consumer_pod(namespace: str, name: str) -> Obj:
     pod["metadata"]["name"] = name
     pod["metadata"]["namespace"] = namespace
     return pod
+
+
+def cluster_consumer_pod() -> Obj:
+    """The confidential-app example as the cluster runs it (its image the only change)."""
+    return _the(render("cluster-consumer"), "Pod")
 
 
 def images(pod: Obj) -> set[str]:

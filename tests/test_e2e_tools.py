@@ -1,0 +1,127 @@
+"""The e2e and cluster sessions' own machinery that runs without root or a kubelet.
+
+The builds' recipes (a changed kubelet recipe would throw away every cached kubelet and cost CI
+a ten-minute build), kubelet's log as the race check reads it, a daemon's output watched line by
+line, and how the harness tells failed checks from its own errors.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from e2e import builds, harness, kubelet_log
+from e2e.node import Daemon
+
+
+def test_kubelets_recipe_is_the_one_cached_kubelets_were_built_by(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The keys and flags kubelet was built with before the other components came."""
+    monkeypatch.setattr(builds, "_go_version", lambda go: "go1.26.8")
+    kubelet = builds.COMPONENTS["kubelet"]
+    version = kubelet.version()
+    recipe = kubelet.recipe("go", version)
+    minor = version.split(".")[1]
+    assert recipe == {
+        "version": version,
+        "go": "go1.26.8",
+        "gcflags": "all=-N -l -dwarf=false",
+        "ldflags": (
+            f"-s -w -X k8s.io/component-base/version.gitVersion={version} "
+            f"-X k8s.io/component-base/version.gitMajor=1 "
+            f"-X k8s.io/component-base/version.gitMinor={minor}"
+        ),
+        "go.sum": (kubelet.module / "go.sum").read_text(),
+    }
+    containerd = builds.COMPONENTS["containerd"]
+    assert containerd.recipe("go", containerd.version())["tags"] == containerd.tags
+
+
+def test_every_component_pins_its_module_and_names_its_commands() -> None:
+    names = {name: component.binaries for name, component in builds.COMPONENTS.items()}
+    assert names == {
+        "containerd": ["containerd", "containerd-shim-runc-v2", "ctr"],
+        "kubelet": ["kubelet"],
+        "control-plane": ["kube-apiserver", "kube-controller-manager", "kube-scheduler"],
+        "etcd": ["etcd"],
+    }
+    for component in builds.COMPONENTS.values():
+        assert re.fullmatch(r"v\d+\.\d+\.\d+", component.version()), component.name
+        assert (component.module / "go.sum").is_file(), component.name
+    # The control plane runs at kubelet's version.
+    assert builds.COMPONENTS["control-plane"].version() == builds.COMPONENTS["kubelet"].version()
+
+
+KUBELET_LOG = """\
+
+===== pcc-e2e: start 1: kubelet --v=2
+I1203 23:59:58.100000    1 server.go:87] "Starting device plugin registration server"
+I1203 23:59:58.200000    1 server.go:161] "Got registration request from device plugin with \
+resource" resourceName="tke.cloud.tencent.com/pcc-device"
+
+===== pcc-e2e: start 2: kubelet --v=2
+I1203 23:59:59.900000    2 server.go:87] "Starting device plugin registration server"
+a line of its own output that is not klog's
+I1204 00:00:00.020000    2 server.go:161] "Got registration request from device plugin with \
+resource" resourceName="tke.cloud.tencent.com/pcc-device"
+I1204 00:00:00.031000    2 manager.go:345] "Processed device updates for resource" \
+resourceName="tke.cloud.tencent.com/pcc-device" totalCount=16 healthyCount=16
+"""
+
+
+def test_kubelets_log_is_read_per_start_and_across_midnight(tmp_path: Path) -> None:
+    log = tmp_path / "kubelet.log"
+    log.write_text(KUBELET_LOG)
+    lines = kubelet_log.lines_of_start(log, 2)
+    assert len(lines) == 3
+    server = kubelet_log.first(lines, kubelet_log.REGISTRATION_SERVER)
+    register = kubelet_log.first(lines, kubelet_log.REGISTRATION_REQUEST, "pcc-device")
+    devices = kubelet_log.first(lines, kubelet_log.DEVICE_UPDATES, "healthyCount=16")
+    assert server is not None
+    assert register is not None
+    assert devices is not None
+    assert register.seconds - server.seconds == pytest.approx(0.12)
+    assert devices.seconds - register.seconds == pytest.approx(0.011)
+    assert kubelet_log.first(lines, kubelet_log.REGISTRATION_SERVER, after=register.seconds) is None
+    (first_start,) = [line for line in kubelet_log.lines_of_start(log, 1) if "Got" in line.text]
+    assert first_start.seconds == pytest.approx(86398.2)
+
+
+async def test_a_daemons_line_is_acted_on_once_as_it_is_written(tmp_path: Path) -> None:
+    seen: list[str] = []
+    acted = trio.Event()
+    async with trio.open_nursery() as nursery:
+        daemon = Daemon(
+            "sh", ["sh", "-c", "echo one; echo ready now; echo ready again; exec sleep 30"],
+            tmp_path / "sh.log", nursery=nursery,
+        )  # fmt: skip
+
+        def act() -> None:
+            seen.append(daemon.log.read_text())
+            acted.set()
+
+        daemon.on_line("ready", act)
+        with trio.fail_after(10):
+            await daemon.start()
+            await acted.wait()
+            assert await daemon.stop() == -signal.SIGTERM
+    # Once, at the first line with the words, which the log already held.
+    assert len(seen) == 1
+    assert "one\nready now\n" in seen[0]
+    assert daemon.log.read_text().endswith("one\nready now\nready again\n")
+
+
+def test_failed_checks_are_told_from_errors_also_in_nurseries() -> None:
+    failed = AssertionError("check failed")
+    assert harness.check_failures(failed) == [failed]
+    grouped = ExceptionGroup("nursery", [ExceptionGroup("inner", [failed])])
+    assert [str(f) for f in harness.check_failures(grouped)] == ["check failed"]
+    assert harness.check_failures(ExceptionGroup("nursery", [failed, KeyError("bug")])) == []
+    assert harness.check_failures(RuntimeError("bug")) == []
