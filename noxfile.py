@@ -80,7 +80,8 @@ def log_versions(session: nox.Session, *names: str) -> None:
 
 
 DEPENDENCIES = ("trio", "trio-asyncio", "grpclib", "h2", "hpack", "betterproto2", "asyncinotify",
-         "attrs", "h11", "pyyaml", "grpcio", "protobuf")  # fmt: skip
+         "attrs", "h11", "pyyaml", "lightkube", "lightkube-models", "httpx", "grpcio",
+         "protobuf")  # fmt: skip
 
 
 @nox.session
