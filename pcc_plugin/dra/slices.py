@@ -233,10 +233,13 @@ async def publish(
             outage.over()
             backoff.reset()
             what = "watching ResourceSlices"
+            failed: list[RequestFailed] = []
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_first_of, nursery, publisher.watch, version)
-                nursery.start_soon(_first_of, nursery, change.wait)
-                nursery.start_soon(_first_of, nursery, trio.sleep, WATCH_RENEW)
+                nursery.start_soon(_first_of, nursery, failed, publisher.watch, version)
+                nursery.start_soon(_first_of, nursery, failed, change.wait)
+                nursery.start_soon(_first_of, nursery, failed, trio.sleep, WATCH_RENEW)
+            if failed:
+                raise failed[0]
         except RequestFailed as error:
             why = describe_error(error)
             if status_code(error) == 404 and publisher is None:
@@ -246,8 +249,15 @@ async def publish(
 
 
 async def _first_of(
-    nursery: trio.Nursery, function: Callable[..., Awaitable[object]], *args: object
+    nursery: trio.Nursery,
+    failed: list[RequestFailed],
+    function: Callable[..., Awaitable[object]],
+    *args: object,
 ) -> None:
-    """Await `function(*args)`, then end its siblings: the first of them to finish decides."""
-    await function(*args)
+    """Await `function(*args)`, then end its siblings: the first of them to finish decides.
+    A failed request is kept in `failed`, not raised: it would reach the caller in a group."""
+    try:
+        await function(*args)
+    except RequestFailed as error:
+        failed.append(error)
     nursery.cancel_scope.cancel()

@@ -61,8 +61,17 @@ class DraRegistration:
 class SimDraKubelet:
     """kubelet's plugin manager and DRA manager for one node."""
 
-    def __init__(self, registry_dir: Path, node: str, api: FakeApiServer | None = None) -> None:
+    def __init__(
+        self,
+        registry_dir: Path,
+        node: str,
+        api: FakeApiServer | None = None,
+        services: tuple[str, ...] = tuple(SERVICES),
+    ) -> None:
+        """`services`: those this kubelet knows (1.34 to 1.37 know both; 1.32 and 1.33 only
+        v1beta1)."""
         self.registry_dir = registry_dir
+        self.services = services
         self.node = node
         self.api = api
         self._changed = threading.Condition(threading.RLock())
@@ -224,8 +233,8 @@ class SimDraKubelet:
                 )
             endpoint = info.endpoint or str(path)
             served = _takes_connections(endpoint)
-            error = _validate(info)
-            service = next((one for one in info.supported_versions if one in SERVICES), "")
+            error = _validate(info, self.services)
+            service = next((one for one in info.supported_versions if one in self.services), "")
             notify = channel.unary_unary(NOTIFY, request_serializer=serialize)
             try:
                 notify(
@@ -241,14 +250,14 @@ class SimDraKubelet:
         )
 
 
-def _validate(info: Any) -> str | None:
+def _validate(info: Any, services: tuple[str, ...]) -> str | None:
     if info.type != "DRAPlugin":
         return f"unknown plugin type {info.type!r}"
     if not info.name:
         return "the driver has no name"
     if info.endpoint and not info.endpoint.startswith("/"):
         return f"endpoint {info.endpoint!r} is not an absolute path"
-    if not any(one in SERVICES for one in info.supported_versions):
+    if not any(one in services for one in info.supported_versions):
         return f"none of the services {list(info.supported_versions)} is supported"
     return None
 

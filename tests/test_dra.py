@@ -1,0 +1,405 @@
+"""The DRA mode: the real daemon, as a process, against the simulated kubelet's DRA side
+(grpcio) and the fake API server (both in pcc_plugin/sim).
+
+What a cluster adds (the scheduler allocating from the slices, the extended-resource path,
+containerd reading the CDI specs) is left to `nox -s cluster`; docs/dra.md says what it must
+still show.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+import trio
+from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
+
+from pcc_plugin import flags
+from pcc_plugin.dra import slices
+from pcc_plugin.dra.driver import socket_paths
+from pcc_plugin.flags import PROG, Flags
+from pcc_plugin.resource import Device, pcc_resource
+from pcc_plugin.sim import StartDaemon, run_blocking
+from pcc_plugin.sim.dra import SimDraKubelet
+
+V1_PREPARE = "NodePrepareResources"
+CDI_ID = f"{DRIVER}/claim="
+
+
+def cdi_spec(dra: DraNode, uid: str) -> Path:
+    return dra.cdi / f"{DRIVER}-claim_{uid}.json"
+
+
+def devices_of(response: object, uid: str) -> list[tuple[list[str], str, str, list[str]]]:
+    answer = response.claims[uid]  # type: ignore[attr-defined]
+    assert answer.error == ""
+    return [
+        (list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids))
+        for d in answer.devices
+    ]
+
+
+async def test_registers_publishes_and_prepares_a_claim_idempotently(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        (registration,) = dra.kubelet.registrations
+        # Kubelet's view: a DRA plugin of this driver, v1 first, its DRA socket already served.
+        assert registration.driver == DRIVER
+        assert registration.supported == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+        assert registration.service == "v1.DRAPlugin"
+        assert registration.endpoint_served
+        assert Path(registration.endpoint).parent == dra.state
+        assert re.fullmatch(
+            rf"{re.escape(DRIVER)}-\d+-[0-9a-f]{{6}}-reg\.sock", registration.socket
+        )
+        await published(dra, SHARES, generation=1)
+        (one,) = dra.slices()
+        assert one["spec"]["driver"] == DRIVER
+        assert one["spec"]["nodeName"] == NODE
+        assert one["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
+        assert one["metadata"]["ownerReferences"][0]["kind"] == "Node"
+        assert one["spec"]["devices"][3] == {
+            "name": "pcc-3",
+            "attributes": {
+                "kind": {"string": "pcc-device"},
+                "resourceName": {"string": "tke.cloud.tencent.com/pcc-device"},
+                "share": {"int": 3},
+                "hostPath": {"string": "/dev/sev-guest"},
+                "mountPath": {"string": "/var/run/pcc"},
+            },
+        }
+
+        dra.claim("app", "uid-1")
+        expected = [(["pcc"], NODE, "pcc-3", [CDI_ID + "uid-1"])]
+        first = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert devices_of(first, "uid-1") == expected
+        spec = json.loads(cdi_spec(dra, "uid-1").read_text())
+        assert spec["kind"] == f"{DRIVER}/claim"
+        (device,) = spec["devices"]
+        assert device["name"] == "uid-1"
+        assert device["containerEdits"]["deviceNodes"] == [
+            {"path": "/dev/sev-guest", "hostPath": "/dev/sev-guest", "permissions": "rw"}
+        ]
+        assert device["containerEdits"]["mounts"] == [
+            {
+                "hostPath": "/var/run/pcc",
+                "containerPath": "/var/run/pcc",
+                "options": ["rbind", "rw"],
+            }
+        ]
+        assert dra.checkpoint()["uid-1"]["devices"] == [
+            {"requests": ["pcc"], "pool": NODE, "device": "pcc-3"}
+        ]
+        # Kubelet may ask again (a restart, a reboot): the same whole answer, without the API
+        # server, and the spec written again if it was lost (/var/run/cdi is a tmpfs).
+        cdi_spec(dra, "uid-1").unlink()
+        dra.api.claims.clear()
+        again = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert devices_of(again, "uid-1") == expected
+        assert json.loads(cdi_spec(dra, "uid-1").read_text()) == spec
+
+        for _ in range(2):
+            gone = await run_blocking(dra.kubelet.unprepare, DRIVER, [("default", "app", "uid-1")])
+            assert gone.claims["uid-1"].error == ""
+            assert not cdi_spec(dra, "uid-1").exists()
+            assert dra.checkpoint() == {}
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_v1beta1_is_served_to_a_kubelet_that_knows_only_it(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    dra.kubelet.stop()
+    with (
+        trio.fail_after(30),
+        SimDraKubelet(dra.registry, NODE, services=("v1beta1.DRAPlugin",)) as older,
+    ):
+        start_daemon(*dra.daemon_args())
+        await run_blocking(older.wait_for, lambda: bool(older.instances(DRIVER)), WAIT)
+        assert older.instances(DRIVER)[0].service == "v1beta1.DRAPlugin"
+        await published(dra, SHARES)
+        dra.claim("app", "uid-b", device="pcc-0")
+        answer = await run_blocking(older.prepare, DRIVER, [("default", "app", "uid-b")])
+        assert type(answer).__module__.endswith("dra_v1beta1_pb2")
+        assert devices_of(answer, "uid-b") == [(["pcc"], NODE, "pcc-0", [CDI_ID + "uid-b"])]
+
+
+async def test_a_claim_that_cannot_be_prepared_fails_alone(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await published(dra, SHARES)
+        dra.claim("good", "uid-good")
+        dra.api.put_claim("default", "pending", None, uid="uid-pending")
+        dra.claim("recreated", "uid-new")
+        dra.claim("elsewhere", "uid-else", pool="node-b")
+        dra.claim("unknown", "uid-unknown", device="pcc-99")
+        claims = [
+            ("default", "good", "uid-good"),
+            ("default", "pending", "uid-pending"),
+            ("default", "recreated", "uid-old"),
+            ("default", "elsewhere", "uid-else"),
+            ("default", "unknown", "uid-unknown"),
+            ("default", "missing", "uid-missing"),
+        ]
+        answer = await run_blocking(dra.kubelet.prepare, DRIVER, claims)
+        errors = {uid: answer.claims[uid].error for _, _, uid in claims}
+        assert errors == {
+            "uid-good": "",
+            "uid-pending": "the ResourceClaim is not allocated",
+            "uid-old": "the ResourceClaim has UID uid-new, not uid-old: it was deleted and "
+            "created again",
+            "uid-else": f"device pcc-3 is allocated from pool node-b, not from this node's pool "
+            f"{NODE}",
+            "uid-unknown": "device pcc-99 is not one of this node's",
+            "uid-missing": "the ResourceClaim does not exist",
+        }
+        assert set(dra.checkpoint()) == {"uid-good"}
+        assert sorted(path.name for path in dra.cdi.iterdir()) == [f"{DRIVER}-claim_uid-good.json"]
+        assert "Traceback" not in daemon.log_text()
+
+
+@pytest.mark.parametrize(
+    ("payload", "details"),
+    [
+        (b"\x0a\x03\x12\x01", "cannot decode NodePrepareResourcesRequest"),
+        (b"\x0a\x04\x12\x02\xff\xfe", "cannot decode NodePrepareResourcesRequest"),
+        (b"\x0a\x03\x12\x01u", "names a claim without namespace, name or UID"),
+    ],
+)
+async def test_malformed_requests_are_invalid_argument(
+    dra_node: DraNode, start_daemon: StartDaemon, payload: bytes, details: str
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        code, message = await run_blocking(dra.kubelet.call_raw, DRIVER, V1_PREPARE, payload)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details in message
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_devices_withdrawn_while_the_pcc_dir_is_gone_and_back_after(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        start_daemon(*dra.daemon_args())
+        await published(dra, SHARES, generation=1)
+        pcc_dir = dra.node.pcc_dir
+        pcc_dir.rmdir()
+        await published(dra, [], generation=2)
+        # A claim allocated before cannot be prepared on a gone device; kubelet is told why.
+        dra.claim("late", "uid-late")
+        answer = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "late", "uid-late")])
+        assert answer.claims["uid-late"].error.startswith("device pcc-3 is unhealthy: detect ")
+        pcc_dir.mkdir()
+        await published(dra, SHARES, generation=3)
+
+
+async def test_kubelet_restart_wipes_the_slices_and_the_driver_publishes_them_again(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await published(dra, SHARES, generation=1)
+        await run_blocking(dra.kubelet.restart)
+        # Registered again from the socket kubelet found, slices written again.
+        await registered(dra, count=2)
+        await published(dra, SHARES, generation=2)
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_a_removed_registration_socket_is_served_again(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        (first,) = dra.kubelet.registrations
+        (dra.registry / first.socket).unlink()
+        await registered(dra, count=2)
+        second = dra.kubelet.registrations[-1]
+        assert second.endpoint_served
+        assert (dra.registry / second.socket).is_socket()
+        await run_blocking(daemon.wait_for_log, "serving again", WAIT)
+
+
+async def test_api_server_unreachable_for_a_while_then_back(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    await outage(dra_node, start_daemon, seconds=3.0)
+
+
+@pytest.mark.slow
+async def test_api_server_unreachable_for_a_minute_then_back(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    await outage(dra_node, start_daemon, seconds=60.0)
+
+
+async def outage(dra: DraNode, start_daemon: StartDaemon, seconds: float) -> None:
+    """The API server goes; kubelet restarts meanwhile (wiping the slices); it comes back."""
+    with trio.fail_after(seconds + 40):
+        daemon = start_daemon(*dra.daemon_args())
+        await published(dra, SHARES, generation=1)
+        dra.api.stop()
+        dra.api.delete_slices(NODE)
+        # Waiting for the daemon to notice: its watch is cut, its next list refused.
+        await run_blocking(daemon.wait_for_log, "ResourceSlices not published", WAIT)
+        await trio.sleep(seconds)  # the outage itself, not a synchronisation
+        dra.api.start()
+        await published(dra, SHARES, generation=2)
+        await run_blocking(daemon.wait_for_log, "The API server answers again", WAIT)
+        assert daemon.proc.poll() is None
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_a_rolling_update_and_a_restarted_driver_unprepare_what_was_prepared(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """Two instances by pod UID (maxSurge): kubelet uses the newest; the old one removes its
+    own sockets on SIGTERM; the new one unprepares what the old one prepared."""
+    dra = dra_node
+    with trio.fail_after(40):
+        old = start_daemon(*dra.daemon_args(), "--pod-uid=0a0a0a0a-1111-2222-3333-444444444444")
+        await registered(dra)
+        await published(dra, SHARES)
+        dra.claim("app", "uid-r")
+        await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-r")])
+        new = start_daemon(*dra.daemon_args(), "--pod-uid=0b0b0b0b-1111-2222-3333-444444444444")
+        await run_blocking(
+            dra.kubelet.wait_for, lambda: len(dra.kubelet.instances(DRIVER)) == 2, WAIT
+        )
+        old_socket, newest = (one.socket for one in dra.kubelet.instances(DRIVER))
+        assert "0a0a0a0a" in old_socket
+        assert "0b0b0b0b" in newest
+        assert old.terminate() == 0
+        assert not (dra.registry / old_socket).exists()
+        assert sorted(path.name for path in dra.state.glob("*.sock")) == [
+            "dra-0b0b0b0b-1111-2222-3333-444444444444.sock"
+        ]
+        await run_blocking(
+            dra.kubelet.wait_for, lambda: len(dra.kubelet.instances(DRIVER)) == 1, WAIT
+        )
+        gone = await run_blocking(dra.kubelet.unprepare, DRIVER, [("default", "app", "uid-r")])
+        assert gone.claims["uid-r"].error == ""
+        assert not cdi_spec(dra, "uid-r").exists()
+        assert dra.checkpoint() == {}
+        await run_blocking(new.wait_for_log, "unprepared", WAIT)
+
+
+async def test_more_shares_than_a_slice_holds_are_split_across_slices_of_one_pool(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        start_daemon(*dra.daemon_args(), "--resource-count=300")
+        await published(dra, [f"pcc-{index}" for index in range(300)], generation=1)
+        pools = [obj["spec"]["pool"] for obj in dra.slices()]
+        assert pools == [{"name": NODE, "generation": 1, "resourceSliceCount": 3}] * 3
+        assert [len(obj["spec"]["devices"]) for obj in dra.slices()] == [128, 128, 44]
+
+
+# Units: the slices, the socket names, the flags
+
+
+def test_desired_slices_withdraw_unhealthy_devices_and_keep_the_pool() -> None:
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 3, "/dev/sev-guest", "/var/run/pcc")
+    pool = slices.Pool(DRIVER, NODE, "node-uid")
+    devices = tuple(Device(f"pcc-{i}", "pcc", spec.device_nodes, "gone") for i in range(3))
+    (empty,) = slices.desired(pool, spec, devices)
+    assert empty["spec"]["devices"] == []
+    assert empty["spec"]["pool"]["resourceSliceCount"] == 1
+    assert empty["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "node-uid"}
+    ]
+
+
+def test_slice_names_fit_kubernetes() -> None:
+    long_node = "n" * 250
+    name = slices.slice_name(slices.Pool(DRIVER, long_node, "u"), 7)
+    assert len(name) <= 253
+    assert name.endswith("-7")
+
+
+def test_socket_names_are_the_pods_own_and_fit_a_unix_socket() -> None:
+    uid = "0a0a0a0a-1111-2222-3333-444444444444"
+    registration, dra = socket_paths(Flags(pod_uid=uid))
+    assert registration == Path(f"/var/lib/kubelet/plugins_registry/{DRIVER}-{uid}-reg.sock")
+    assert dra == Path(f"/var/lib/kubelet/plugins/{DRIVER}/dra-{uid}.sock")
+    long_driver = "d" * 30 + "." + "e" * 30
+    registration, dra = socket_paths(Flags(pod_uid=uid, driver_name=long_driver))
+    assert len(os.fsencode(registration)) <= 107
+    assert re.fullmatch(r"[0-9a-f]{16}-reg\.sock", registration.name)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--mode=dra"], "--node-name: required with --mode=dra"),
+        (["--mode=dra", "--node-name=n", "--cdi"], "--cdi: not used with --mode=dra"),
+        (["--mode=kubevirt"], "--mode: must be device-plugin or dra, got 'kubevirt'"),
+        (
+            ["--mode=dra", "--node-name=n", "--driver-name=PCC"],
+            "--driver-name: must be a lowercase",
+        ),
+        (["--mode=dra", "--node-name=n", "--pod-uid=../x"], "--pod-uid: must be a pod UID"),
+    ],
+)
+def test_dra_usage_errors_are_one_line_exit_2(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        flags.resources(flags.parse(argv, PROG, "", "")[0], PROG)
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"pcc-device-plugin: {expected}")
+
+
+def test_the_config_files_mode_and_the_flag_must_agree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = Path(__file__).parent.parent / "docs" / "examples" / "pcc.yaml"
+    config = tmp_path / "profiles.yaml"
+    config.write_text("mode: dra\n" + profile.read_text())
+    argv = [f"--config={config}", "--mode=device-plugin"]
+    with pytest.raises(SystemExit) as exited:
+        flags.resources(flags.parse(argv, PROG, "", "")[0], PROG)
+    assert exited.value.code == 2
+    assert "--mode: device-plugin disagrees with mode dra in" in capsys.readouterr().err
+    # The file alone chooses the mode.
+    served = flags.resources(
+        flags.parse([f"--config={config}", "--node-name=n"], PROG, "", "")[0], PROG
+    )
+    assert served.mode == "dra"
+
+
+async def test_sigterm_removes_both_sockets_and_exits_0(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        assert list(dra.registry.glob("*.sock"))
+        assert daemon.terminate(signal.SIGTERM) == 0
+        assert not list(dra.registry.glob("*.sock"))
+        assert not list(dra.state.glob("*.sock"))
