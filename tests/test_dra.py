@@ -9,23 +9,31 @@ still show.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+import httpx
 import pytest
 import trio
+import trio.testing
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
+from test_metrics import get, metrics_port, scrape, value
 
-from pcc_plugin import flags
-from pcc_plugin.dra import slices
+from pcc_plugin import flags, grpc_server
+from pcc_plugin.dra import claims, slices
 from pcc_plugin.dra.driver import socket_paths
 from pcc_plugin.flags import PROG, Flags
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import StartDaemon, run_blocking
+from pcc_plugin.sim import dra as sim_dra
 from pcc_plugin.sim.dra import SimDraKubelet
+from pcc_plugin.stats import ResourceStats
 
 V1_PREPARE = "NodePrepareResources"
 CDI_ID = f"{DRIVER}/claim="
@@ -112,6 +120,12 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
             assert gone.claims["uid-1"].error == ""
             assert not cdi_spec(dra, "uid-1").exists()
             assert dra.checkpoint() == {}
+        # Ready (registered, slices published), and counted.
+        port = await metrics_port(daemon)
+        assert (await get(port, "/readyz"))[0] == 200
+        samples = await scrape(port)
+        for call in ("prepare", "unprepare"):
+            assert value(samples, "pcc_device_plugin_dra_claims_total", call=call, result="ok") == 2
         assert "Traceback" not in daemon.log_text()
 
 
@@ -240,6 +254,11 @@ async def test_a_removed_registration_socket_is_served_again(
         assert second.endpoint_served
         assert (dra.registry / second.socket).is_socket()
         await run_blocking(daemon.wait_for_log, "serving again", WAIT)
+
+
+def test_claims_are_read_within_the_answer_deadline_within_kubelets() -> None:
+    """Kubelet hears each claim's own error rather than the whole call's deadline."""
+    assert claims.READ_CLAIMS_TIMEOUT < grpc_server.UNARY_TIMEOUT < sim_dra.CALL_TIMEOUT
 
 
 async def test_api_server_unreachable_for_a_while_then_back(
@@ -403,3 +422,80 @@ async def test_sigterm_removes_both_sockets_and_exits_0(
         assert daemon.terminate(signal.SIGTERM) == 0
         assert not list(dra.registry.glob("*.sock"))
         assert not list(dra.state.glob("*.sock"))
+
+
+class FlakyApi:
+    """kube.Api's slice calls in memory; refuses connections while `down`."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.attempts = 0
+        self.version = 0
+        self.changed = trio.Event()
+
+    def _answer(self) -> None:
+        self.attempts += 1
+        if self.down:
+            raise httpx.ConnectError("connection refused")
+
+    async def node_uid(self, name: str) -> str:
+        self._answer()
+        return "node-uid"
+
+    async def list_slices(self, fields: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+        self._answer()
+        return [json.loads(json.dumps(obj)) for obj in self.slices.values()], str(self.version)
+
+    async def watch_slices(
+        self, fields: dict[str, Any], version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        self._answer()
+        await self.changed.wait()
+        self._answer()
+        yield "DELETED", {"metadata": {"name": "gone", "resourceVersion": "0"}}
+
+    async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self._answer()
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        self.slices[obj["metadata"]["name"]] = obj
+        return obj
+
+    replace_slice = create_slice
+
+    async def delete_slice(self, name: str) -> None:
+        self._answer()
+        del self.slices[name]
+
+
+async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pure timing, on trio's clock: an API server down for ten minutes is asked about once
+    per RETRY_CAP at most, said to be down once a minute, and published to once it is back."""
+    caplog.set_level(logging.INFO, logger="pcc_plugin.dra.slices")
+    api: Any = FlakyApi()
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 2, "/dev/sev-guest", "/var/run/pcc")
+    devices = tuple(Device(f"pcc-{i}", "pcc", spec.device_nodes, None) for i in range(2))
+    stats = ResourceStats(kubelet_stream_needed=False, registered=True)
+    change = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            slices.publish, api, DRIVER, NODE,
+            lambda pool: slices.desired(pool, spec, devices), lambda: change, stats,
+        )  # fmt: skip
+        await trio.sleep(600)
+        assert "connection refused" in str(stats.not_ready_reason())
+        # Doubling from RETRY_FIRST to RETRY_CAP: a few quick tries, then one per cap at most.
+        assert 600 / slices.RETRY_CAP <= api.attempts <= 600 / (slices.RETRY_CAP / 2) + 8
+        # Once a minute: at the first retry a minute or more after the last report.
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        every = slices.REPORT_EVERY
+        assert 600 / (every + slices.RETRY_CAP) <= len(errors) <= 600 / every + 1
+        api.down = False
+        await trio.sleep(slices.RETRY_CAP)
+        assert stats.not_ready_reason() is None
+        assert [obj["spec"]["pool"]["generation"] for obj in api.slices.values()] == [1]
+        assert "The API server answers again after" in caplog.text
+        nursery.cancel_scope.cancel()
