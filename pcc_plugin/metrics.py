@@ -117,6 +117,10 @@ def render(plugins: Sequence[DevicePlugin], configuration: Configuration) -> byt
                 for cause, count in sorted(stats.registrations.items())]),
         family("pcc_device_plugin_kubelet_restarts", "counter", "Kubelet restarts seen.",
                [((("resource", name),), stats.kubelet_restarts) for name, stats in resources]),
+        family("pcc_device_plugin_backoff_seconds", "counter",
+               "Time waited before serving again after the plugin's own faults (never after a "
+               "kubelet restart).",
+               [((("resource", name),), stats.backoff_seconds) for name, stats in resources]),
         family("pcc_device_plugin_allocations", "counter", "Allocate calls, by result.",
                [((("resource", name), ("result", result)), stats.allocations[result])
                 for name, stats in resources

@@ -25,8 +25,10 @@ class ResourceStats:
     last_restart_reason: str = ""
     # Why the socket cannot be served (a filesystem fault), while it cannot.
     serving_problem: str | None = None
-    # How long the last generation that ended in a fault waited before the next.
+    # How long the last generation that ended in a fault waited before the next, and all such
+    # waits together.
     restart_delay: float = 0.0
+    backoff_seconds: float = 0.0
     healthy_devices: int = 0
     unhealthy_devices: int = 0
     streams_open: int = 0

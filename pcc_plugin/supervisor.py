@@ -385,6 +385,7 @@ async def after_generation(plugin: DevicePlugin, ending: Ending, restarts: Backo
     log.log(V1, "Restarting the device plugin server: %s", ending.reason)
     if ending.fault:
         plugin.stats.restart_delay = restarts.next_delay()
+        plugin.stats.backoff_seconds += plugin.stats.restart_delay
         await trio.sleep(plugin.stats.restart_delay)
     return ending.reason
 

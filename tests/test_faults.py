@@ -23,6 +23,7 @@ import grpc
 import pytest
 import trio
 from daemon_support import HEALTHY_16, KUBELET_GONE, RESOURCE, WAIT, log_line, serving
+from metrics_support import metrics_port, scrape, value
 
 from pcc_plugin.service import MAX_CONTAINER_REQUESTS
 from pcc_plugin.sim import (
@@ -136,15 +137,16 @@ QUICK_RESTART_PAUSE = 0.2
 
 
 @pytest.mark.parametrize("how", ["restart", "crash"], ids=["SIGTERM", "SIGKILL"])
-async def test_kubelet_restarts_in_quick_succession_are_each_answered_at_once(
+async def test_kubelet_restarts_in_quick_succession_never_wait(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon, how: str
 ) -> None:
-    """A kubelet restart is never a fault to back off from, however often it comes: each new
-    kubelet has the plugin's Register within 100 ms of serving, though each comes 0.2 s
-    after the plugin was back (stopped, or killed with its kubelet.sock left behind)."""
-    waits = []
+    """A kubelet restart is never a fault to back off from, however often it comes: twenty
+    restarts 0.2 s after the plugin was back (stopped, or killed with its kubelet.sock left
+    behind), each registered again with no wait at all. How soon is a figure of the
+    benchmark (nox -s bench): about 3 ms on an idle machine."""
     with trio.fail_after(90):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        port = await metrics_port(daemon)
         await serving(kubelet)
         for restart in range(1, QUICK_RESTARTS + 1):
             await trio.sleep(QUICK_RESTART_PAUSE)  # the pace of the scenario, not a wait
@@ -152,13 +154,9 @@ async def test_kubelet_restarts_in_quick_succession_are_each_answered_at_once(
             if how == "crash":
                 await run_blocking(kubelet.start)
             await serving(kubelet, registrations=restart + 1)
-            first = min(
-                registration.received_at
-                for registration in kubelet.registrations
-                if registration.received_at >= kubelet.serving_since
-            )
-            waits.append(first - kubelet.serving_since)
-    assert max(waits) < 0.1, [f"{wait * 1000:.0f} ms" for wait in waits]
+        samples = await scrape(port)
+    assert value(samples, "pcc_device_plugin_backoff_seconds_total") == 0
+    assert value(samples, "pcc_device_plugin_kubelet_restarts_total") == QUICK_RESTARTS
     assert_no_traceback(daemon)
 
 

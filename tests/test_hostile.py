@@ -20,6 +20,7 @@ import grpc
 import pytest
 import trio
 from daemon_support import RESOURCE, WAIT, log_line, serving
+from metrics_support import metrics_port
 from raw_clients import Outcome, call, grpc_frame, http_get, reset_after
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
@@ -82,11 +83,6 @@ def closed_by_server(sock: socket.socket) -> bool:
         return sock.recv(100) == b""
     except ConnectionResetError:
         return True
-
-
-async def metrics_port(daemon: Daemon) -> int:
-    line = await log_line(daemon, "Serving /metrics, /livez and /readyz on 127.0.0.1 port ")
-    return int(line.rsplit(" ", 1)[1])
 
 
 # The gRPC socket
