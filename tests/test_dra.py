@@ -23,7 +23,7 @@ import pytest
 import trio
 import trio.testing
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
-from test_metrics import get, metrics_port, scrape, value
+from metrics_support import get, metrics_port, scrape, value
 
 from pcc_plugin import flags, grpc_server
 from pcc_plugin.dra import claims, slices
