@@ -29,6 +29,7 @@ from pcc_plugin import flags, grpc_server
 from pcc_plugin.dra import claims, slices
 from pcc_plugin.dra.driver import socket_paths
 from pcc_plugin.flags import PROG, Flags
+from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import StartDaemon, run_blocking
 from pcc_plugin.sim import dra as sim_dra
@@ -499,3 +500,28 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
         assert [obj["spec"]["pool"]["generation"] for obj in api.slices.values()] == [1]
         assert "The API server answers again after" in caplog.text
         nursery.cancel_scope.cancel()
+
+
+async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call(
+    tmp_path: Path, host: Path
+) -> None:
+    """Kubelet hears why for each claim (and retries) instead of an INTERNAL error."""
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 4, "/dev/sev-guest", "/var/run/pcc")
+    plugin = DevicePlugin(spec, str(host), ResourceStats())
+    not_a_directory = tmp_path / "state"
+    not_a_directory.write_text("")
+
+    async def get_claim(namespace: str, name: str) -> dict[str, Any]:
+        raise AssertionError("not reached: the lock comes first")
+
+    preparer = claims.Preparer(
+        DRIVER, NODE, plugin, not_a_directory, tmp_path / "cdi", "owner", get_claim
+    )
+    claim = claims.ClaimRef("default", "app", "uid-1")
+    with trio.fail_after(10):
+        prepared = await preparer.prepare([claim])
+        unprepared = await preparer.unprepare([claim])
+    for answer in (prepared["uid-1"], unprepared["uid-1"]):
+        assert isinstance(answer, str)
+        assert answer.startswith(f"cannot record prepared claims in {not_a_directory}: ")
+    assert plugin.stats.prepares["failed"] == plugin.stats.unprepares["failed"] == 1

@@ -160,6 +160,27 @@ class Preparer:
 
     async def prepare(self, claims: list[ClaimRef]) -> dict[str, list[PreparedDevice] | str]:
         """Each claim's devices, or why it cannot be prepared now."""
+        try:
+            return await self._prepare(claims)
+        except OSError as exc:
+            self.plugin.stats.prepares["failed"] += len(claims)
+            return {claim.uid: self._unrecorded(exc) for claim in claims}
+
+    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
+        """For each claim, None once it is unprepared (also if it never was), else why not."""
+        try:
+            return await self._unprepare(claims)
+        except OSError as exc:
+            self.plugin.stats.unprepares["failed"] += len(claims)
+            return {claim.uid: self._unrecorded(exc) for claim in claims}
+
+    def _unrecorded(self, error: OSError) -> str:
+        """Kubelet retries; the operator reads why in the pod's events and here."""
+        problem = f"cannot record prepared claims in {self.state_dir}: {error}"
+        log.error("%s", problem)
+        return problem
+
+    async def _prepare(self, claims: list[ClaimRef]) -> dict[str, list[PreparedDevice] | str]:
         answers: dict[str, list[PreparedDevice] | str] = {}
         async with self._serialized():
             prepared = self._load()
@@ -181,8 +202,7 @@ class Preparer:
             self._save(prepared)
         return answers
 
-    async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
-        """For each claim, None once it is unprepared (also if it never was), else why not."""
+    async def _unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
         answers: dict[str, str | None] = {}
         async with self._serialized():
             prepared = self._load()
