@@ -525,3 +525,19 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
         assert isinstance(answer, str)
         assert answer.startswith(f"cannot record prepared claims in {not_a_directory}: ")
     assert plugin.stats.prepares["failed"] == plugin.stats.unprepares["failed"] == 1
+
+
+async def test_missing_credentials_are_one_line_and_exit_1(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    args = [arg for arg in dra_node.daemon_args() if not arg.startswith("--kubeconfig=")]
+    with trio.fail_after(20):
+        daemon = start_daemon(*args, f"--kubeconfig={dra_node.node.root / 'missing'}")
+        assert await run_blocking(daemon.proc.wait, 15) == 1
+    (line,) = [line for line in daemon.log_text().splitlines() if line.startswith("E")]
+    assert line.endswith(
+        f"cannot read API server credentials from --kubeconfig {dra_node.node.root / 'missing'}: "
+        f"Configuration file {dra_node.node.root / 'missing'} not found; give a readable "
+        "kubeconfig file"
+    )
+    assert "Traceback" not in daemon.log_text()

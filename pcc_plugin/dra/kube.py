@@ -92,10 +92,13 @@ def open_client(kubeconfig: str) -> Api:
             )
         )
     except (ConfigError, KeyError, OSError, ValueError) as exc:
-        where = f"--kubeconfig {kubeconfig}" if kubeconfig else "the pod's service account"
+        if kubeconfig:
+            where, fix = f"--kubeconfig {kubeconfig}", "give a readable kubeconfig file"
+        else:
+            where = "the pod's service account"
+            fix = "mount its token (automountServiceAccountToken: true, as manifests/overlays/dra)"
         raise FatalError(
-            f"cannot read API server credentials from {where}: {describe_error(exc)}; "
-            "in a pod, mount the service account token (automountServiceAccountToken: true)"
+            f"cannot read API server credentials from {where}: {describe_error(exc)}; {fix}"
         ) from None
 
 
