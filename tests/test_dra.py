@@ -541,3 +541,20 @@ async def test_missing_credentials_are_one_line_and_exit_1(
         "kubeconfig file"
     )
     assert "Traceback" not in daemon.log_text()
+
+
+def test_docs_quote_the_drivers_own_words() -> None:
+    root = Path(__file__).resolve().parent.parent
+    source = "\n".join(path.read_text() for path in sorted((root / "pcc_plugin").glob("**/*.py")))
+    text = (root / "docs" / "dra.md").read_text()
+    for words in (
+        "cannot read API server credentials from ",
+        "ResourceSlices not published: ",
+        "does not exist: check --node-name",
+        "The API server answers again after ",
+        "Kubelet refused the registration of DRA driver ",
+        "the ResourceClaim is not allocated",
+        "cannot record prepared claims in ",
+    ):
+        assert words in source, f"the driver no longer says {words!r}"
+        assert words in text, f"docs/dra.md does not quote {words!r}"
