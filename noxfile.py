@@ -56,7 +56,8 @@ def tests(session: nox.Session) -> None:
     """
     install_dev(session)
     session.log("covers: flags, wire format, gRPC server limits, registration, restarts, "
-                "health, metrics, doctor, profiles, CDI, live configuration, signals, rollouts "
+                "health, metrics, doctor, profiles, CDI, live configuration, signals, rollouts, "
+                "the DRA mode "
                 "(slow layers: nox -s slow manifests image e2e)")  # fmt: skip
     run_default_tests(session)
 

@@ -21,7 +21,16 @@
             │               ├── register_with_kubelet      once serving; retries with backoff
             │               ├── reregister_when_stream_ends
             │               └── forget_faults_when_stable
-            └── watch_config_file    with --config: the file, or the ConfigMap's ..data swap
+            ├── watch_config_file    with --config: the file, or the ConfigMap's ..data swap
+            └── Resources.serve_dra  --mode=dra instead of Resources.serve (pcc_plugin/dra)
+                └── supervise_resource → dra.driver.serve_once
+                    ├── watch_health
+                    ├── slices.publish            the node's ResourceSlices: list, write, watch
+                    └── serve_kubelet             one generation of sockets after another
+                        └── generation nursery
+                            ├── grpc_server.serve  the DRA socket, then
+                            ├── grpc_server.serve  the registration socket kubelet dials
+                            └── watch_sockets      either gone: serve both again
 
 A connection's calls run as asyncio tasks that grpclib's protocol starts; the
 connection's trio task owns them: on its way out it closes the connection,
