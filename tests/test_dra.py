@@ -18,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpclib.const
+import grpclib.exceptions
 import httpx
+import hypothesis
+import hypothesis.strategies
 import pytest
 import trio
 import trio.testing
@@ -27,6 +31,7 @@ from metrics_support import get, metrics_port, scrape, value
 
 from pcc_plugin import flags, grpc_server
 from pcc_plugin.dra import claims, slices
+from pcc_plugin.dra import service as dra_service
 from pcc_plugin.dra.driver import socket_paths
 from pcc_plugin.flags import PROG, Flags
 from pcc_plugin.plugin import DevicePlugin
@@ -558,3 +563,18 @@ def test_docs_quote_the_drivers_own_words() -> None:
     ):
         assert words in source, f"the driver no longer says {words!r}"
         assert words in text, f"docs/dra.md does not quote {words!r}"
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(hypothesis.strategies.binary(max_size=300))
+def test_any_bytes_are_claims_or_invalid_argument(data: bytes) -> None:
+    """What reaches NodePrepareResources and NodeUnprepareResources is read strictly: claims
+    with every field, or INVALID_ARGUMENT, never another error."""
+    status = grpclib.const.Status.OK
+    read: list[claims.ClaimRef] = []
+    try:
+        read = dra_service.read_claims(data, "NodePrepareResourcesRequest")
+    except grpclib.exceptions.GRPCError as refused:
+        status = refused.status
+    assert status in (grpclib.const.Status.OK, grpclib.const.Status.INVALID_ARGUMENT)
+    assert all(claim.uid and claim.namespace and claim.name for claim in read)

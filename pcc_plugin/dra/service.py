@@ -106,7 +106,7 @@ class DraService:
         api = v1 if service == DRA_V1 else v1beta1
 
         async def prepare(data: bytes, call: Call) -> bytes:
-            claims = _claims(data, "NodePrepareResourcesRequest")
+            claims = read_claims(data, "NodePrepareResourcesRequest")
             answers = await call_trio(self._preparer.prepare, claims)
             return bytes(
                 api.NodePrepareResourcesResponse(
@@ -129,7 +129,7 @@ class DraService:
         api = v1 if service == DRA_V1 else v1beta1
 
         async def unprepare(data: bytes, call: Call) -> bytes:
-            claims = _claims(data, "NodeUnprepareResourcesRequest")
+            claims = read_claims(data, "NodeUnprepareResourcesRequest")
             answers = await call_trio(self._preparer.unprepare, claims)
             return bytes(
                 api.NodeUnprepareResourcesResponse(
@@ -152,7 +152,7 @@ def _device(api: object, device: PreparedDevice) -> object:
     )
 
 
-def _claims(data: bytes, name: str) -> list[ClaimRef]:
+def read_claims(data: bytes, name: str) -> list[ClaimRef]:
     check_message(data, wire.CLAIMS_REQUEST, name)
     request = v1.NodePrepareResourcesRequest.parse(data)
     if len(request.claims) > MAX_CLAIMS:
