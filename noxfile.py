@@ -35,9 +35,10 @@ def install_dev(session: nox.Session) -> None:
 
 # Tests mostly wait on daemons and sockets, so more workers than cores still pay.
 TEST_WORKERS = "4"
-# What the default tests run with besides the project and its [sim] extra.
+# What the default tests run with besides the project and its [sim] extra (pip: test_dev_tool
+# runs tools/dev.py, which fetches uv with the interpreter's pip).
 TEST_TOOLS = ("pytest", "pytest-trio", "pytest-xdist", "hypothesis", "prometheus-client",
-              "jsonschema")  # fmt: skip
+              "jsonschema", "pip")  # fmt: skip
 
 
 def run_default_tests(session: nox.Session) -> None:
