@@ -223,6 +223,7 @@ async def test_devices_withdrawn_while_the_pcc_dir_is_gone_and_back_after(
     dra = dra_node
     with trio.fail_after(30):
         start_daemon(*dra.daemon_args())
+        await registered(dra)
         await published(dra, SHARES, generation=1)
         pcc_dir = dra.node.pcc_dir
         pcc_dir.rmdir()
