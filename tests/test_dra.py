@@ -336,6 +336,7 @@ async def test_a_rolling_update_and_a_restarted_driver_unprepare_what_was_prepar
         await run_blocking(new.wait_for_log, "unprepared", WAIT)
 
 
+@pytest.mark.slow
 async def test_more_shares_than_a_slice_holds_are_split_across_slices_of_one_pool(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
@@ -361,6 +362,17 @@ def test_desired_slices_withdraw_unhealthy_devices_and_keep_the_pool() -> None:
     assert empty["metadata"]["ownerReferences"] == [
         {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "node-uid"}
     ]
+
+
+def test_desired_slices_hold_128_devices_each_in_one_pool() -> None:
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 300, "/dev/sev-guest", "/var/run/pcc")
+    pool = slices.Pool(DRIVER, NODE, "node-uid")
+    devices = tuple(Device(f"pcc-{i}", "pcc", spec.device_nodes, None) for i in range(300))
+    wanted = slices.desired(pool, spec, devices)
+    assert [len(obj["spec"]["devices"]) for obj in wanted] == [128, 128, 44]
+    assert {obj["spec"]["pool"]["resourceSliceCount"] for obj in wanted} == {3}
+    assert len({obj["metadata"]["name"] for obj in wanted}) == 3
+    assert [d["name"] for obj in wanted for d in obj["spec"]["devices"]] == [d.id for d in devices]
 
 
 def test_slice_names_fit_kubernetes() -> None:
