@@ -57,7 +57,8 @@ def tests(session: nox.Session) -> None:
     """
     install_dev(session)
     session.log("covers: flags, wire format, gRPC server limits, registration, restarts, "
-                "health, metrics, doctor, profiles, CDI, live configuration, signals, rollouts "
+                "health, metrics, doctor, profiles, CDI, live configuration, signals, rollouts, "
+                "the DRA mode "
                 "(slow layers: nox -s slow manifests image e2e)")  # fmt: skip
     run_default_tests(session)
 
@@ -81,7 +82,8 @@ def log_versions(session: nox.Session, *names: str) -> None:
 
 
 DEPENDENCIES = ("trio", "trio-asyncio", "grpclib", "h2", "hpack", "betterproto2", "asyncinotify",
-         "attrs", "h11", "pyyaml", "grpcio", "protobuf")  # fmt: skip
+         "attrs", "h11", "pyyaml", "lightkube", "lightkube-models", "httpx", "grpcio",
+         "protobuf")  # fmt: skip
 
 
 @nox.session

@@ -2,8 +2,9 @@
 
 trio-asyncio runs that loop as part of trio's run, on the same thread. This
 module is the only one that imports trio_asyncio; trio code awaits asyncio code
-through `call_asyncio`. The other way needs no bridge: asyncio callbacks may
-set a trio.Event, and trio code may set an asyncio.Event, on this one thread.
+through `call_asyncio`, and asyncio code (a gRPC call) awaits trio code (the API
+client) through `call_trio`. Events need no bridge: asyncio callbacks may set a
+trio.Event, and trio code may set an asyncio.Event, on this one thread.
 """
 
 from __future__ import annotations
@@ -46,4 +47,12 @@ async def call_asyncio(
 ) -> _Result:
     """Await asyncio code from trio (cancellation crosses over both ways)."""
     result: _Result = await trio_asyncio.aio_as_trio(function)(*args, **kwargs)
+    return result
+
+
+async def call_trio(
+    function: Callable[_Params, Awaitable[_Result]], *args: _Params.args, **kwargs: _Params.kwargs
+) -> _Result:
+    """Await trio code from asyncio (cancellation crosses over both ways)."""
+    result: _Result = await trio_asyncio.trio_as_aio(function)(*args, **kwargs)
     return result

@@ -90,24 +90,77 @@ def write_spec(
     """Write the resource's spec as instance `owner`; None when written, else why not (one
     line). A spec file of another instance, or not of this plugin, is left as it is."""
     path = spec_path(directory, spec.name)
-    content = json.dumps(build_spec(spec, devices, owner), indent=2, sort_keys=True) + "\n"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", dir=directory, prefix=".pcc-", suffix=".tmp", delete=False
-        ) as temporary:
-            temporary.write(content)
-        try:
-            os.chmod(temporary.name, 0o644)
-            problem = _put(Path(temporary.name), path, owner)
-        finally:
-            Path(temporary.name).unlink(missing_ok=True)
+        problem = _write(path, build_spec(spec, devices, owner), owner)
     except OSError as exc:
         return f"Cannot write CDI spec {path}: {exc}; containers get devices without CDI"
     if problem:
         return f"{problem}: {spec.name} is served without CDI; {_FIX}"
-    log.debug("Wrote CDI spec %s", path)
     return None
+
+
+def _write(path: Path, document: dict[str, Any], owner: str) -> str | None:
+    """Put `document` at `path` whole, unless another owner's file is there (then say whose);
+    OSError when the directory cannot take it."""
+    content = json.dumps(document, indent=2, sort_keys=True) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, prefix=".pcc-", suffix=".tmp", delete=False
+    ) as temporary:
+        temporary.write(content)
+    try:
+        os.chmod(temporary.name, 0o644)
+        problem = _put(Path(temporary.name), path, owner)
+    finally:
+        Path(temporary.name).unlink(missing_ok=True)
+    if problem is None:
+        log.debug("Wrote CDI spec %s", path)
+    return problem
+
+
+# DRA mode: one spec per prepared claim, kind `<driver>/claim`, one device named by the claim's
+# UID; every share of a claim brings the same device node and mounts.
+CLAIM_CLASS = "claim"
+
+
+def claim_spec_path(directory: Path, driver: str, claim_uid: str) -> Path:
+    return directory / f"{driver}-{CLAIM_CLASS}_{claim_uid}.json"
+
+
+def claim_device_id(driver: str, claim_uid: str) -> str:
+    """The fully qualified CDI device a prepared claim's containers get."""
+    return f"{driver}/{CLAIM_CLASS}={claim_uid}"
+
+
+def write_claim_spec(
+    directory: Path, driver: str, claim_uid: str, spec: ResourceSpec, device: Device, owner: str
+) -> None:
+    """Write the spec of a prepared claim as instance `owner`; OSError or CdiConflict if not."""
+    path = claim_spec_path(directory, driver, claim_uid)
+    document = {
+        "cdiVersion": CDI_VERSION,
+        "kind": f"{driver}/{CLAIM_CLASS}",
+        "annotations": {OWNER: owner},
+        "devices": [{"name": claim_uid, "containerEdits": _edits(spec, device)}],
+    }
+    problem = _write(path, document, owner)
+    if problem:
+        raise CdiConflict(problem)
+
+
+def remove_claim_spec(directory: Path, driver: str, claim_uid: str, owner: str) -> None:
+    """Remove the spec of an unprepared claim if this instance wrote it; OSError if it cannot."""
+    path = claim_spec_path(directory, driver, claim_uid)
+    try:
+        holder = _owner_of(path)
+    except FileNotFoundError:
+        return
+    if holder == owner:
+        path.unlink(missing_ok=True)
+
+
+class CdiConflict(Exception):
+    """A file of another instance, or not of this plugin, stands where a spec goes."""
 
 
 _FIX = (

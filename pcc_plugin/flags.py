@@ -17,6 +17,7 @@ import attrs
 
 from pcc_plugin import __version__
 from pcc_plugin.resource import (
+    DNS1123_SUBDOMAIN,
     MAX_RESOURCE_COUNT,
     ResourceSpec,
     pcc_resource,
@@ -32,6 +33,14 @@ STACK = ("trio", "trio-asyncio", "grpclib", "betterproto2", "asyncinotify", "att
 # A unix socket path holds at most 107 bytes; our socket names take up to 51
 # (`<prefix of up to 20>-<pid>-<token>-<n>.sock`).
 MAX_PLUGIN_DIR_BYTES = 56
+MODES = ("device-plugin", "dra")
+# A ResourceSlice's string attributes hold at most this many characters.
+MAX_ATTRIBUTE_CHARS = 64
+DEFAULT_MODE = "device-plugin"
+DEFAULT_DRIVER_NAME = "pcc.tke.cloud.tencent.com"
+# Room for `<driver>-<token>-reg.sock` in a unix socket path (107 bytes; dra.socket_names
+# shortens the token when a path would be longer).
+MAX_KUBELET_DIR_BYTES = 48
 
 
 # A Kubernetes label value that is not empty: the manifests pass one.
@@ -46,7 +55,13 @@ Check = Callable[[str, Any], str | None]
 
 
 def _flag(
-    name: str, default: Any, help: str, *, metavar: str | None = None, check: Check | None = None
+    name: str,
+    default: Any,
+    help: str,
+    *,
+    metavar: str | None = None,
+    check: Check | None = None,
+    shown: str | None = None,
 ) -> Any:
     def validate(_: object, __: attrs.Attribute[Any], value: Any) -> None:
         problem = check(name, value) if check else None
@@ -56,7 +71,7 @@ def _flag(
     return attrs.field(
         default=default,
         validator=validate,
-        metadata={"flag": name, "help": help, "metavar": metavar},
+        metadata={"flag": name, "help": help, "metavar": metavar, "shown": shown},
     )
 
 
@@ -117,6 +132,35 @@ def _bind_address(_: str, value: str) -> str | None:
     _, colon, port = value.rpartition(":")
     if not colon or not port.isdigit() or int(port) > 65535:
         return f"must be host:port, :port or empty, got {value!r}"
+    return None
+
+
+def _mode(_: str, value: str) -> str | None:
+    if value and value not in MODES:
+        return f"must be {' or '.join(MODES)}, got {value!r}"
+    return None
+
+
+def _driver_name(_: str, value: str) -> str | None:
+    # Kubernetes checks a DRA driver name as a DNS subdomain of at most 63 characters.
+    if len(value) <= 63 and DNS1123_SUBDOMAIN.fullmatch(value) and "." in value:
+        return None
+    return (
+        f"must be a lowercase DNS subdomain with a dot, at most 63 characters, "
+        f"e.g. {DEFAULT_DRIVER_NAME}, got {value!r}"
+    )
+
+
+def _kubelet_dir(name: str, value: str) -> str | None:
+    size = len(value.encode())
+    if size > MAX_KUBELET_DIR_BYTES:
+        return f"is too long for unix sockets: {size} bytes, at most {MAX_KUBELET_DIR_BYTES}"
+    return _absolute(name, value)
+
+
+def _pod_uid(_: str, value: str) -> str | None:
+    if value and not re.fullmatch(r"[0-9a-f][0-9a-f-]{0,62}", value):
+        return f"must be a pod UID (lowercase hex and '-'), got {value!r}"
     return None
 
 
@@ -199,6 +243,46 @@ class Flags:
         "(the manifests pass the pod label app.kubernetes.io/instance)",
         metavar="NAME", check=_instance_name,
     )  # fmt: skip
+    mode: str = _flag(
+        "--mode", "",
+        "device-plugin: serve kubelet's device plugin API (extended resource --resource-name); "
+        "dra: be the DRA driver --driver-name instead (docs/dra.md). One mode per node",
+        metavar="MODE", check=_mode, shown=f"{DEFAULT_MODE}, or the --config file's mode",
+    )  # fmt: skip
+    driver_name: str = _flag(
+        "--driver-name", DEFAULT_DRIVER_NAME,
+        "with --mode=dra: the DRA driver name, in ResourceSlices, claims and DeviceClasses",
+        metavar="NAME", check=_driver_name,
+    )  # fmt: skip
+    node_name: str = _flag(
+        "--node-name", "",
+        "with --mode=dra: this node's name, the pool of its ResourceSlices (the manifests pass "
+        "spec.nodeName); required there",
+        metavar="NAME",
+    )  # fmt: skip
+    kubelet_registry_path: str = _flag(
+        "--kubelet-registry-path", "/var/lib/kubelet/plugins_registry",
+        "with --mode=dra: kubelet's plugin registration directory; waited for if missing",
+        metavar="DIR", check=_kubelet_dir,
+    )  # fmt: skip
+    kubelet_plugins_path: str = _flag(
+        "--kubelet-plugins-path", "/var/lib/kubelet/plugins",
+        "with --mode=dra: kubelet's plugin directory; the DRA socket and the checkpoint of "
+        "prepared claims go in <DIR>/<driver-name>",
+        metavar="DIR", check=_kubelet_dir,
+    )  # fmt: skip
+    kubeconfig: str = _flag(
+        "--kubeconfig", "",
+        "with --mode=dra: a kubeconfig file for the API server; without it, the pod's "
+        "service account (in-cluster)",
+        metavar="FILE",
+    )  # fmt: skip
+    pod_uid: str = _flag(
+        "--pod-uid", "",
+        "with --mode=dra: this pod's UID (the manifests pass metadata.uid), which makes this "
+        "instance's socket names its own during a rolling update; without it, a random token",
+        metavar="UID", check=_pod_uid,
+    )  # fmt: skip
     verbosity: int = _flag(
         "--v", 0,
         "log verbosity: 0 registrations and errors, 1 each Allocate and registration step, "
@@ -262,7 +346,7 @@ def build_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentP
         if field.default is False:
             parser.add_argument(name, action="store_true", help=f"{help_text} (default: off)")
             continue
-        shown = field.default if field.default != "" else "none"
+        shown = field.metadata["shown"] or (field.default if field.default != "" else "none")
         parser.add_argument(
             name,
             dest=field.name,
@@ -312,18 +396,77 @@ def version_text(verbosity: int) -> str:
     return text
 
 
-def resources(config: Flags, prog: str) -> tuple[list[ResourceSpec], str]:
-    """The resources to serve: the file's with --config, else the PCC profile from the flags;
-    and the hash of the file they were read from ("flags" without one).
+@attrs.frozen
+class Served:
+    """What the daemon serves: its resources, the hash of the file they came from ("flags"
+    without one), and the mode."""
 
-    A bad file is a usage error: one line naming the file and the key.
+    specs: list[ResourceSpec]
+    digest: str
+    mode: str
+
+
+def resources(config: Flags, prog: str) -> Served:
+    """What to serve: the file's resources with --config, else the PCC profile from the flags,
+    in the mode --mode or the file's `mode` key gives.
+
+    A bad file, two modes that disagree, or a DRA mode that cannot serve the resources is a
+    usage error: one line naming the flag or the file and key.
     """
     if not config.config:
-        return [config.pcc_resource()], "flags"
-    # Imported only now: the YAML parser is not needed without --config.
-    from pcc_plugin import profiles
+        served = Served([config.pcc_resource()], "flags", config.mode or DEFAULT_MODE)
+    else:
+        # Imported only now: the YAML parser is not needed without --config.
+        from pcc_plugin import profiles
 
-    try:
-        return profiles.load(config.config)
-    except profiles.ProfileError as exc:
-        usage_error(prog, str(exc))
+        try:
+            specs, digest, file_mode = profiles.load(config.config)
+        except profiles.ProfileError as exc:
+            usage_error(prog, str(exc))
+        if config.mode and file_mode and config.mode != file_mode:
+            usage_error(
+                prog,
+                f"--mode: {config.mode} disagrees with mode {file_mode} in {config.config}; "
+                "give one of them",
+            )
+        served = Served(specs, digest, config.mode or file_mode or DEFAULT_MODE)
+    if served.mode == "dra":
+        problem = dra_problem(config, served.specs)
+        if problem:
+            usage_error(prog, problem)
+    return served
+
+
+def dra_problem(config: Flags, specs: list[ResourceSpec]) -> str | None:
+    """Why --mode=dra cannot serve these flags and resources, starting with the flag or key."""
+    if not config.node_name:
+        return (
+            "--node-name: required with --mode=dra: the node's name is its ResourceSlices' pool "
+            "(the manifests pass spec.nodeName)"
+        )
+    for name in ("cdi", "pre_start_check"):
+        if getattr(config, name):
+            flag = name.replace("_", "-")
+            return f"--{flag}: not used with --mode=dra, which always hands devices over by CDI"
+    if len(specs) != 1:
+        return (
+            f"--config: {config.config} lists {len(specs)} resources; --mode=dra serves one "
+            "(one driver, one kind of device)"
+        )
+    (spec,) = specs
+    if spec.glob_nodes:
+        return f"--config: {spec.name}: --mode=dra serves no globbed devices"
+    if "." in spec.socket_prefix:
+        return (
+            f"--config: {spec.name}: socketPrefix {spec.socket_prefix!r} names the DRA devices "
+            "and must have no '.' (devices are DNS labels)"
+        )
+    long = [path for path in spec.host_paths() if len(path) > MAX_ATTRIBUTE_CHARS]
+    if long:
+        return (
+            f"--config: {spec.name}: host path {long[0]!r} is longer than the "
+            f"{MAX_ATTRIBUTE_CHARS} characters a ResourceSlice attribute holds"
+        )
+    from pcc_plugin.dra.driver import socket_path_problem
+
+    return socket_path_problem(config)

@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import errno
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -119,8 +120,9 @@ def _message_size(prefix: bytes) -> int:
     return size
 
 
-# A unary method answers the request message with the response message, or raises GRPCError.
-Answer = Callable[[bytes, Call], bytes]
+# A unary method answers the request message with the response message, or raises GRPCError;
+# one that must wait (on the API server) answers with an awaitable, within UNARY_TIMEOUT.
+Answer = Callable[[bytes, Call], bytes | Awaitable[bytes]]
 # A server-streaming method reads its request and sends its answers through the Call.
 Stream = Callable[[Call], Awaitable[None]]
 
@@ -438,6 +440,8 @@ class Server:
                     assert spec.answer is not None
                     async with _deadline(UNARY_TIMEOUT, "the call was not answered"):
                         answer = spec.answer(await call.receive(), call)
+                        if inspect.isawaitable(answer):
+                            answer = await answer
                         await call.send(answer)
             except _grpclib.StreamEnded as exc:
                 raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None

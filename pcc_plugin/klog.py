@@ -46,6 +46,9 @@ def configure(verbosity: int) -> None:
     # HTTP/2 frame and header tracing is for debugging h2 itself, not the plugin.
     for name in ("h2", "hpack", "asyncio", "trio-asyncio"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # --mode=dra: the API client logs every request at INFO; the driver says what matters.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbosity >= 2 else logging.WARNING)
     accept_failures = logging.getLogger("trio.serve_listeners")
     accept_failures.filters[:] = [OneWarningPerBurst()]
 

@@ -57,9 +57,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         print(flags.version_text(config.verbosity))
         sys.exit(0)
     klog.configure(config.verbosity)
-    specs, digest = flags.resources(config, flags.PROG)
+    served = flags.resources(config, flags.PROG)
     if not config.config:
-        problem = pcc_start_problem(specs[0], config.host_root)
+        problem = pcc_start_problem(served.specs[0], config.host_root)
         if problem:
             log.error("%s", problem)
             sys.exit(1)
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
     release_free_memory()
     try:
-        trio.run(supervisor.run, config, specs, digest)
+        trio.run(supervisor.run, config, served)
     except* FatalError as group:
         for error in _leaves(group):
             log.error("%s", error)

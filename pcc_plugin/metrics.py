@@ -125,6 +125,14 @@ def render(plugins: Sequence[DevicePlugin], configuration: Configuration) -> byt
                [((("resource", name), ("result", result)), stats.allocations[result])
                 for name, stats in resources
                 for result in ("ok", "invalid", "unavailable")]),
+        family("pcc_device_plugin_dra_claims", "counter",
+               "--mode=dra: claims answered by NodePrepareResources and NodeUnprepareResources, "
+               "by call and result.",
+               [((("resource", name), ("call", call), ("result", result)), counter[result])
+                for name, stats in resources
+                for call, counter in (("prepare", stats.prepares),
+                                      ("unprepare", stats.unprepares))
+                for result in ("ok", "failed")]),
         family("pcc_device_plugin_devices", "gauge", "Advertised devices, by health.",
                [sample for name, stats in resources for sample in (
                    ((("resource", name), ("health", "Healthy")), stats.healthy_devices),

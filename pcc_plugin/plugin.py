@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import attrs
+import trio
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.flags import DEFAULT_INSTANCE_NAME
@@ -106,6 +107,8 @@ class DevicePlugin:
         self.devices: tuple[Device, ...] = ()
         self._by_id: dict[str, Device] = {}
         self.feed = DeviceFeed(b"")
+        # Set, and replaced, at each change of the devices: what trio code waits on.
+        self._changed = trio.Event()
         for hazard in opted_in(spec):
             log.warning("%s: %s; containers get it: its entry sets %s", spec.name, hazard, OPT_IN)
         self.refresh()
@@ -126,6 +129,8 @@ class DevicePlugin:
             level = logging.WARNING if unhealthy else logging.INFO
             log.log(level, "%s: %s", self.spec.name, now)
         self.feed.publish(encode_listing(devices))
+        self._changed.set()
+        self._changed = trio.Event()
         if self._cdi_spec_dir is not None:
             from pcc_plugin import cdi
 
@@ -133,6 +138,10 @@ class DevicePlugin:
             if problem and problem != self._cdi_problem:
                 log.error("%s", problem)
             self._cdi_problem = problem
+
+    def next_change(self) -> trio.Event:
+        """Set at the next change of the devices."""
+        return self._changed
 
     def options(self) -> api.DevicePluginOptions:
         # Shares of one device are alike: there is no preference to give.

@@ -38,9 +38,14 @@ _PROCESS_TOKEN = os.urandom(3).hex()
 _socket_numbers = itertools.count()
 
 
+def process_token() -> str:
+    """`<pid>-<token>`: this process's own, unlike any other instance's."""
+    return f"{os.getpid()}-{_PROCESS_TOKEN}"
+
+
 def process_stem(prefix: str) -> str:
     """What this process's sockets of `prefix` start with, whichever run of it serves them."""
-    return f"{prefix}-{os.getpid()}-{_PROCESS_TOKEN}"
+    return f"{prefix}-{process_token()}"
 
 
 class SocketNames:

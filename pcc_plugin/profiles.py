@@ -1,5 +1,6 @@
 """Resources from a YAML file (`--config`): validated whole at start, errors with key paths.
 
+    mode: device-plugin                  # optional: or dra (docs/dra.md); --mode may say it too
     resources:
       - name: example.com/disk          # extended resource name, as kubelet checks it
         count: 1                         # shares per device (default 1)
@@ -28,6 +29,7 @@ from pathlib import PurePosixPath
 from typing import Any, NamedTuple, TypeVar
 
 from pcc_plugin import yaml_input
+from pcc_plugin.flags import MODES
 from pcc_plugin.resource import (
     MAX_RESOURCE_COUNT,
     DeviceNode,
@@ -49,10 +51,12 @@ _SOCKET_PREFIX = re.compile(r"[a-z0-9][a-z0-9.-]{0,19}")
 
 
 class Profile(NamedTuple):
-    """The resources a file describes, and the hash of the bytes they were read from."""
+    """The resources a file describes, the hash of the bytes they were read from, and the mode
+    it asks for (None: it does not say)."""
 
     specs: list[ResourceSpec]
     digest: str
+    mode: str | None = None
 
 
 class ProfileError(ValueError):
@@ -200,7 +204,10 @@ def load(path: str) -> Profile:
     except yaml_input.InputError as exc:
         raise ProfileError(str(exc)) from None
     try:
-        top = _mapping(yaml_input.ROOT, document.value, {"resources"}, {"resources"})
+        top = _mapping(yaml_input.ROOT, document.value, {"resources", "mode"}, {"resources"})
+        mode = top.get("mode")
+        if mode is not None and mode not in MODES:
+            raise KeyProblem("mode", f"must be {' or '.join(MODES)}, got {shown_value(mode)}")
         specs = list(_list("resources", top["resources"], _resource))
         if not specs:
             raise KeyProblem("resources", "must list at least one resource")
@@ -215,4 +222,4 @@ def load(path: str) -> Profile:
                     )
     except KeyProblem as exc:
         raise ProfileError(f"{path}: {exc}") from None
-    return Profile(specs, document.digest)
+    return Profile(specs, document.digest, mode)

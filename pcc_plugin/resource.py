@@ -24,7 +24,7 @@ CONTAINER_PCC_PATH = "/var/run/pcc"
 MAX_RESOURCE_COUNT = 10_000
 
 _DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
+DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
 _QUALIFIED_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
@@ -43,7 +43,7 @@ def resource_name_problem(name: str) -> str | None:
         return "the kubernetes.io domain is reserved for Kubernetes"
     if "/" in short:
         return "has more than one '/'"
-    if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix):
+    if len(prefix) > 253 or not DNS1123_SUBDOMAIN.fullmatch(prefix):
         return f"domain {prefix!r} is not a lowercase DNS subdomain"
     if len(short) > 63 or not _QUALIFIED_NAME.fullmatch(short):
         return (

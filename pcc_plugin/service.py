@@ -57,12 +57,12 @@ class DevicePluginService:
     # Unary methods answer a request's bytes with the response's (see grpc_server.MethodSpec).
 
     def get_device_plugin_options(self, data: bytes, call: Call) -> bytes:
-        _check(data, wire.EMPTY, "Empty")
+        check_message(data, wire.EMPTY, "Empty")
         self._link.options_called(call.connection)
         return self._options
 
     async def list_and_watch(self, call: Call) -> None:
-        _check(await call.receive(), wire.EMPTY, "Empty")
+        check_message(await call.receive(), wire.EMPTY, "Empty")
         is_kubelet = self._link.stream_opened(call.connection)
         try:
             await self._plugin.feed.stream(call.send)
@@ -70,7 +70,7 @@ class DevicePluginService:
             self._link.stream_closed(is_kubelet)
 
     def get_preferred_allocation(self, data: bytes, call: Call) -> bytes:
-        _check(data, wire.PREFERRED_ALLOCATION_REQUEST, "PreferredAllocationRequest")
+        check_message(data, wire.PREFERRED_ALLOCATION_REQUEST, "PreferredAllocationRequest")
         raise GRPCError(
             Status.UNIMPLEMENTED,
             "GetPreferredAllocation is not offered: every share is the same device",
@@ -126,7 +126,7 @@ def _refused(exc: RequestError | DeviceUnavailable) -> GRPCError:
     return GRPCError(Status.FAILED_PRECONDITION, str(exc))
 
 
-def _check(data: bytes, schema: wire.Schema, name: str) -> None:
+def check_message(data: bytes, schema: wire.Schema, name: str) -> None:
     try:
         wire.check(data, schema)
     except wire.WireError as exc:

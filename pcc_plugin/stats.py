@@ -38,6 +38,14 @@ class ResourceStats:
     kubelet_stream_open: bool = False
     # Why the resource is not ready, while it is not.
     waiting_for: str = "not registered with kubelet yet"
+    # A device plugin is ready only while kubelet's ListAndWatch stream is open; a DRA driver
+    # has no stream, and is ready only while its ResourceSlices are published.
+    kubelet_stream_needed: bool = True
+    # Why the DRA driver's ResourceSlices are not as the node is (None once they are).
+    slices_problem: str | None = None
+    # NodePrepareResources and NodeUnprepareResources answers by result, per claim.
+    prepares: collections.Counter[str] = attrs.Factory(collections.Counter)
+    unprepares: collections.Counter[str] = attrs.Factory(collections.Counter)
 
     def counters(self) -> str:
         registrations = dict(sorted(self.registrations.items()))
@@ -52,6 +60,6 @@ class ResourceStats:
     def not_ready_reason(self) -> str | None:
         if not self.registered:
             return self.waiting_for
-        if not self.kubelet_stream_open:
+        if self.kubelet_stream_needed and not self.kubelet_stream_open:
             return "registered, but kubelet's ListAndWatch stream is not open"
-        return None
+        return self.slices_problem

@@ -21,7 +21,16 @@
             │               ├── register_with_kubelet      once serving; retries with backoff
             │               ├── reregister_when_stream_ends
             │               └── forget_faults_when_stable
-            └── watch_config_file    with --config: the file, or the ConfigMap's ..data swap
+            ├── watch_config_file    with --config: the file, or the ConfigMap's ..data swap
+            └── Resources.serve_dra  --mode=dra instead of Resources.serve (pcc_plugin/dra)
+                └── supervise_resource → dra.driver.serve_once
+                    ├── watch_health
+                    ├── slices.publish            the node's ResourceSlices: list, write, watch
+                    └── serve_kubelet             one generation of sockets after another
+                        └── generation nursery
+                            ├── grpc_server.serve  the DRA socket, then
+                            ├── grpc_server.serve  the registration socket kubelet dials
+                            └── watch_sockets      either gone: serve both again
 
 A connection's calls run as asyncio tasks that grpclib's protocol starts; the
 connection's trio task owns them: on its way out it closes the connection,
@@ -38,6 +47,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import attrs
@@ -48,7 +58,7 @@ from pcc_plugin import bridge, grpc_server
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.configuration import Configuration, watch_config_file
 from pcc_plugin.errors import FatalError
-from pcc_plugin.flags import Flags
+from pcc_plugin.flags import DEFAULT_MODE, Flags, Served
 from pcc_plugin.health import watch_health
 from pcc_plugin.inotify import open_inotify, wait_for_directory
 from pcc_plugin.klog import V1
@@ -89,15 +99,16 @@ class Restart:
         self.scope.cancel()
 
 
-async def run(config: Flags, specs: list[ResourceSpec], digest: str) -> None:
-    configuration = Configuration(specs, Path(config.config) if config.config else None, digest)
+async def run(config: Flags, served: Served) -> None:
+    path = Path(config.config) if config.config else None
+    configuration = Configuration(served.specs, path, served.digest)
     reloads, reload_requests = trio.open_memory_channel[str](1)
     resources = Resources(config, configuration)
     async with bridge.asyncio_loop(), trio.open_nursery() as root:
         stop = trio.CancelScope()
         await root.start(handle_signals, stop, reloads, resources)
         with stop:
-            await serve(config, resources, reloads, reload_requests)
+            await serve(config, served.mode, resources, reloads, reload_requests)
         # Stopped: the signal handler has nothing left to guard.
         root.cancel_scope.cancel()
     log.info("Stopped")
@@ -134,6 +145,7 @@ async def handle_signals(
 
 async def serve(
     config: Flags,
+    mode: str,
     resources: Resources,
     reloads: trio.MemorySendChannel[str],
     reload_requests: trio.MemoryReceiveChannel[str],
@@ -149,6 +161,9 @@ async def serve(
             )  # fmt: skip
             for address, port in bound:
                 log.info("Serving /metrics, /livez and /readyz on %s port %d", address, port)
+        if mode == "dra":
+            nursery.start_soon(resources.serve_dra, reload_requests)
+            return
         await nursery.start(resources.serve, reload_requests)
         if config.config:
             await nursery.start(watch_config_file, Path(config.config), reloads)
@@ -182,6 +197,23 @@ class Resources:
             async for reason in reload_requests:
                 self._reload(nursery, reason)
 
+    async def serve_dra(self, reload_requests: trio.MemoryReceiveChannel[str]) -> None:
+        """The DRA mode: its one resource as a DRA driver (pcc_plugin/dra), read at start."""
+        from pcc_plugin.dra import driver
+
+        (spec,) = self.configuration.specs
+        log.info("Starting pcc-device-plugin as DRA driver %s: %s x%d on node %s",
+                 self.config.driver_name, spec.name, spec.count, self.config.node_name)  # fmt: skip
+        plugin = DevicePlugin(
+            spec, self.config.host_root, ResourceStats(kubelet_stream_needed=False)
+        )
+        self.plugins.append(plugin)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervise_resource, self.config, plugin, driver.serve_once)
+            async for reason in reload_requests:
+                log.info("Nothing to reload (%s): --mode=dra reads its configuration at start",
+                         reason)  # fmt: skip
+
     def _start(self, nursery: trio.Nursery, spec: ResourceSpec) -> None:
         log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
         plugin = DevicePlugin(
@@ -200,7 +232,7 @@ class Resources:
     async def _run(self, plugin: DevicePlugin, scope: trio.CancelScope) -> None:
         try:
             with scope:
-                await supervise_resource(self.config, plugin)
+                await supervise_resource(self.config, plugin, serve_resource)
         finally:
             self.plugins.remove(plugin)
 
@@ -213,10 +245,15 @@ class Resources:
         from pcc_plugin import profiles
 
         try:
-            specs, digest = profiles.load(str(configuration.path))
+            specs, digest, mode = profiles.load(str(configuration.path))
         except profiles.ProfileError as exc:
             configuration.last_reload_failed = True
             log.error("Configuration not reloaded, the running one stays: %s", exc)
+            return
+        if (mode or DEFAULT_MODE) != DEFAULT_MODE:
+            configuration.last_reload_failed = True
+            log.error("Configuration not reloaded, the running one stays: %s: mode %s needs a "
+                      "restart of the daemon", configuration.path, mode)  # fmt: skip
             return
         if digest == configuration.digest:
             configuration.last_reload_failed = False
@@ -289,7 +326,10 @@ def task_tree() -> list[str]:
     return lines
 
 
-async def supervise_resource(config: Flags, plugin: DevicePlugin) -> None:
+ServeOnce = Callable[[Flags, DevicePlugin, Backoff], Awaitable[None]]
+
+
+async def supervise_resource(config: Flags, plugin: DevicePlugin, serve_once: ServeOnce) -> None:
     """Serve one resource; if it fails, restart it alone so the others keep serving.
 
     Only a bug gets here (faults of the node are handled where they happen):
@@ -299,7 +339,7 @@ async def supervise_resource(config: Flags, plugin: DevicePlugin) -> None:
     backoff = Backoff(first=BUG_RESTART_FIRST, cap=BUG_RESTART_CAP)
     while True:
         try:
-            await serve_resource(config, plugin, backoff)
+            await serve_once(config, plugin, backoff)
         except Exception as exc:
             fatal, _ = exc.split(FatalError) if isinstance(exc, ExceptionGroup) else (None, None)
             if fatal is not None or isinstance(exc, FatalError):

@@ -55,6 +55,16 @@ PREFERRED_ALLOCATION_REQUEST: Schema = {
     1: ("container_requests", CONTAINER_PREFERRED_ALLOCATION_REQUEST)
 }
 
+# DRA (protos/dra_v1.proto, protos/pluginregistration.proto): NodePrepareResourcesRequest and
+# NodeUnprepareResourcesRequest; RegistrationStatus.
+CLAIM: Schema = {
+    1: ("namespace", Kind.STRING),
+    2: ("uid", Kind.STRING),
+    3: ("name", Kind.STRING),
+}
+CLAIMS_REQUEST: Schema = {1: ("claims", CLAIM)}
+REGISTRATION_STATUS: Schema = {1: ("plugin_registered", Kind.VARINT), 2: ("error", Kind.STRING)}
+
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 _WIRE_NAMES = {0: "varint", 1: "64-bit", 2: "length-delimited", 5: "32-bit"}
 

@@ -24,6 +24,11 @@
     A host filesystem tree in ``tmp_path`` for unit tests: ``dev/sev-guest`` (a symlink to
     /dev/null, so a character device) and the ``var/run/pcc`` directory; pass it as --host-root.
 
+``dra_node``
+    For the DRA mode: a :class:`dra_support.DraNode` on ``fake_node``, with a started fake API
+    server (the Node ``node-a``) and the simulated kubelet's DRA side on its plugins_registry;
+    ``dra_node.daemon_args()`` gives the daemon's flags for them.
+
 ``start_daemon``
     ``start_daemon(*args, env=None) -> Daemon`` runs ``python -m pcc_plugin *args`` in its own
     session, with ``env`` merged into the environment and its output in a log file; the whole
@@ -42,8 +47,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from dra_support import NODE, DraNode
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon
+from pcc_plugin.sim.apiserver import FakeApiServer
+from pcc_plugin.sim.dra import SimDraKubelet
 
 KUBELET_KINDS = ("current", "resource-keyed", "legacy")
 
@@ -106,3 +114,16 @@ def start_daemon(fake_node: FakeNode) -> Iterator[StartDaemon]:
 
 def print_log(daemon: Daemon) -> None:
     print(f"--- daemon {daemon.pid}: {' '.join(daemon.argv)}\n{daemon.log_text()}")
+
+
+@pytest.fixture
+def dra_node(fake_node: FakeNode) -> Iterator[DraNode]:
+    root = fake_node.root
+    (root / "plugins").mkdir()
+    with FakeApiServer() as api:
+        api.add_node(NODE)
+        with SimDraKubelet(root / "plugins_registry", NODE, api) as kubelet:
+            yield DraNode(
+                fake_node, api, kubelet, root / "plugins_registry", root / "plugins",
+                root / "cdi", api.write_kubeconfig(root / "kubeconfig"),
+            )  # fmt: skip

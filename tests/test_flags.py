@@ -45,6 +45,13 @@ def test_defaults() -> None:
         cdi=False,
         cdi_spec_dir="/var/run/cdi",
         instance_name="pcc-device-plugin",
+        mode="",
+        driver_name="pcc.tke.cloud.tencent.com",
+        node_name="",
+        kubelet_registry_path="/var/lib/kubelet/plugins_registry",
+        kubelet_plugins_path="/var/lib/kubelet/plugins",
+        kubeconfig="",
+        pod_uid="",
     )
 
 

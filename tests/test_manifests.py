@@ -57,7 +57,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from pcc_plugin import main
-from pcc_plugin.flags import parse
+from pcc_plugin.flags import DEFAULT_DRIVER_NAME as DRIVER_NAME
+from pcc_plugin.flags import parse, resources
 from pcc_plugin.profiles import load
 from pcc_plugin.resource import ResourceSpec
 
@@ -93,6 +94,13 @@ BUILT_ON = {
     "manifests/examples/hardened-cdi-podmonitor": "manifests/overlays/hardened",
 }
 APPS = ["manifests/examples/confidential-app"]
+# The DRA mode (docs/dra.md): the base's DaemonSet with --mode=dra, and a workload with a claim.
+DRA = ["manifests/overlays/dra"]
+DRA_APPS = ["manifests/examples/dra-app"]
+# Every deployment of the daemon, in either mode.
+DAEMONS = PLUGIN + DRA
+# resource.k8s.io/v1 (DeviceClass, ResourceClaimTemplate) is served from Kubernetes 1.34 on.
+OLDEST_DRA_KUBERNETES = (1, 34)
 
 CONTAINERFILE = ROOT / "Containerfile"
 DOCS = ROOT / "docs" / "deploy.md"
@@ -147,10 +155,10 @@ def mounts_of(directory: str, volume: str) -> list[Obj]:
 
 
 def test_every_kustomization_is_classified() -> None:
-    assert sorted(kustomizations()) == sorted(PLUGIN + APPS)
+    assert sorted(kustomizations()) == sorted(PLUGIN + APPS + DRA + DRA_APPS)
 
 
-@pytest.mark.parametrize("directory", PLUGIN + APPS)
+@pytest.mark.parametrize("directory", PLUGIN + APPS + DRA + DRA_APPS)
 def test_renders(directory: str) -> None:
     objects = render(directory)
     assert objects
@@ -160,11 +168,13 @@ def test_renders(directory: str) -> None:
         assert obj["metadata"]["name"]
 
 
-@pytest.mark.parametrize("directory", PLUGIN + APPS)
+@pytest.mark.parametrize("directory", PLUGIN + APPS + DRA + DRA_APPS)
 def test_validates_against_kubernetes_schemas(directory: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     failures = []
-    for version in KUBERNETES_VERSIONS:
+    oldest = OLDEST_DRA_KUBERNETES if directory in DRA + DRA_APPS else OLDEST_KUBERNETES
+    versions = [v for v in KUBERNETES_VERSIONS if tuple(map(int, v.split(".")[:2])) >= oldest]
+    for version in versions:
         for obj in render(directory):
             if custom_resource_schema(obj) is not None:
                 continue  # not in the Kubernetes API: test_custom_resources_validate_against_crd
@@ -176,7 +186,7 @@ def test_validates_against_kubernetes_schemas(directory: str) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("directory", PLUGIN + APPS)
+@pytest.mark.parametrize("directory", PLUGIN + APPS + DRA + DRA_APPS)
 def test_custom_resources_validate_against_crd(directory: str) -> None:
     """Kinds outside the Kubernetes API, each against the fields of its CRD that are used."""
     jsonschema = pytest.importorskip("jsonschema")
@@ -223,7 +233,7 @@ def test_objects_and_no_api_access(directory: str) -> None:
     assert spec["automountServiceAccountToken"] is False
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_scheduling(directory: str) -> None:
     ds = daemonset(directory)
     spec = ds["spec"]["template"]["spec"]
@@ -235,7 +245,7 @@ def test_scheduling(directory: str) -> None:
         assert not spec.get(host_namespace), host_namespace
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_update_strategy(directory: str) -> None:
     """Surge, unless a deployment asks for no-surge (docs/deploy.md says what that costs)."""
     strategy = daemonset(directory)["spec"]["updateStrategy"]
@@ -250,7 +260,7 @@ def test_base_starts_the_new_pod_before_it_stops_the_old_one() -> None:
     assert daemonset("manifests/base")["spec"]["updateStrategy"] == BASE_UPDATE_STRATEGY
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_labels(directory: str) -> None:
     version = project_version()
     ds = daemonset(directory)
@@ -275,7 +285,7 @@ def test_labels(directory: str) -> None:
     assert "app.kubernetes.io/version" not in selector
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_resources(directory: str) -> None:
     resources = plugin_container(daemonset(directory))["resources"]
     # Sized by `nox -s bench`: about 25 MiB idle, 54 MiB at most with every bounded input at
@@ -305,7 +315,7 @@ def test_args(directory: str) -> None:
     assert added == sorted(expected)
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_image(directory: str) -> None:
     container = plugin_container(daemonset(directory))
     name, _, tag = container["image"].rpartition(":")
@@ -358,7 +368,7 @@ def test_host_paths_are_read_only_under_the_host_root(directory: str) -> None:
         assert mount["readOnly"] is True, mount
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_device_is_seen_live_through_a_parent(directory: str) -> None:
     ds = daemonset(directory)
     container = plugin_container(ds)
@@ -367,7 +377,7 @@ def test_device_is_seen_live_through_a_parent(directory: str) -> None:
     assert is_proper_ancestor(source["path"], device), source
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_pcc_dir_is_seen_live_through_a_parent(directory: str) -> None:
     ds = daemonset(directory)
     container = plugin_container(ds)
@@ -394,7 +404,7 @@ def metrics_port(container: Obj) -> Obj:
     return port
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_metrics_port(directory: str) -> None:
     container = plugin_container(daemonset(directory))
     port = metrics_port(container)
@@ -403,7 +413,7 @@ def test_metrics_port(directory: str) -> None:
     assert "hostPort" not in port
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_probes(directory: str) -> None:
     container = plugin_container(daemonset(directory))
     port = metrics_port(container)
@@ -423,7 +433,7 @@ def test_probes(directory: str) -> None:
     assert readiness.get("successThreshold", 1) == 1
 
 
-@pytest.mark.parametrize("directory", PLUGIN)
+@pytest.mark.parametrize("directory", DAEMONS)
 def test_prometheus_scrape_annotations(directory: str) -> None:
     ds = daemonset(directory)
     port = metrics_port(plugin_container(ds))
@@ -673,6 +683,152 @@ def test_pcc_dir_only_changes_nothing_but_that_mount() -> None:
         PCC_DIR,
         PLUGIN_DIR,
     }
+
+
+# The DRA mode
+
+
+DRA_VOLUMES = {
+    "plugins-registry": "/var/lib/kubelet/plugins_registry",
+    "plugins": "/var/lib/kubelet/plugins",
+    CDI_VOLUME: CDI_SPEC_DIR,
+}
+DRA_ENV = {"NODE_NAME": "spec.nodeName", "POD_UID": "metadata.uid"}
+DRA_ARGS = ["--mode=dra", "--node-name=$(NODE_NAME)", "--pod-uid=$(POD_UID)"]
+SERVICE_ACCOUNT_USER = f"system:serviceaccount:{NAMESPACE}:{NAME}"
+
+
+def as_device_plugin(ds: Obj) -> Obj:
+    """The DRA overlay's DaemonSet with what it changes put back as the base has it."""
+    ds = copy.deepcopy(ds)
+    spec = ds["spec"]["template"]["spec"]
+    spec["automountServiceAccountToken"] = False
+    spec["volumes"] = [
+        {"name": "device-plugins", "hostPath": {"path": PLUGIN_DIR, "type": "Directory"}},
+        *(v for v in spec["volumes"] if v["name"] not in DRA_VOLUMES),
+    ]
+    container = spec["containers"][0]
+    container["volumeMounts"] = [
+        {"name": "device-plugins", "mountPath": PLUGIN_DIR},
+        *(m for m in container["volumeMounts"] if m["name"] not in DRA_VOLUMES),
+    ]
+    container["args"] = [arg for arg in container["args"] if arg not in DRA_ARGS]
+    container.pop("env")
+    return ds
+
+
+@pytest.mark.parametrize("directory", DRA)
+def test_dra_daemonset_is_the_base_with_the_dra_mode(directory: str) -> None:
+    """The same DaemonSet as the device plugin's (so applying one replaces the other, node by
+    node: never both modes on a node), with --mode=dra, its env, mounts and token."""
+    ds = daemonset(directory)
+    assert as_device_plugin(ds) == daemonset("manifests/base")
+    container = plugin_container(ds)
+    assert container["args"][-3:] == DRA_ARGS
+    assert container["env"] == [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for name, path in DRA_ENV.items()
+    ]
+    assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+
+
+@pytest.mark.parametrize("directory", DRA)
+def test_dra_args_are_flags_the_plugin_takes_and_its_directories_are_mounted(
+    directory: str,
+) -> None:
+    ds = daemonset(directory)
+    container = plugin_container(ds)
+    expanded = [
+        arg.replace("$(NODE_NAME)", "node-a").replace("$(POD_UID)", "0a0a0a0a-1111-2222")
+        for arg in container["args"]
+    ]
+    config, _ = parse(expanded, "pcc-device-plugin", main.DESCRIPTION, main.EPILOG)
+    served = resources(config, "pcc-device-plugin")
+    assert served.mode == "dra"
+    assert (config.node_name, config.pod_uid) == ("node-a", "0a0a0a0a-1111-2222")
+    for path in (config.kubelet_registry_path, config.kubelet_plugins_path, config.cdi_spec_dir):
+        mount, source = mount_showing(ds, path)
+        # At the host's path, read-write: kubelet and the runtime find there what the driver
+        # writes.
+        assert mount["mountPath"] == source["path"] == path
+        assert not mount.get("readOnly", False)
+    assert {v["name"]: v["hostPath"]["path"] for v in pod_spec(directory)["volumes"]
+            if v["name"] in DRA_VOLUMES} == DRA_VOLUMES  # fmt: skip
+    assert volume_named(directory, "device-plugins") is None
+
+
+@pytest.mark.parametrize("directory", DRA)
+def test_dra_api_access_is_what_the_driver_needs(directory: str) -> None:
+    objects = render(directory)
+    assert sorted((obj["kind"], obj["metadata"]["name"]) for obj in objects) == sorted(
+        [
+            ("DaemonSet", NAME),
+            ("ServiceAccount", NAME),
+            ("DeviceClass", DRIVER_NAME),
+            ("ClusterRole", f"{NAME}-dra"),
+            ("ClusterRoleBinding", f"{NAME}-dra"),
+            ("ValidatingAdmissionPolicy", f"{NAME}-own-node-slices"),
+            ("ValidatingAdmissionPolicyBinding", f"{NAME}-own-node-slices"),
+        ]
+    )
+    assert the(objects, "ServiceAccount", NAME)["automountServiceAccountToken"] is True
+    role = the(objects, "ClusterRole")
+    assert {
+        (group, resource): sorted(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    } == {
+        ("resource.k8s.io", "resourceclaims"): ["get"],
+        ("resource.k8s.io", "resourceslices"): sorted(
+            ["get", "list", "watch", "create", "update", "delete"]
+        ),
+        ("", "nodes"): ["get"],
+    }
+    binding = the(objects, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}]
+    policy = the(objects, "ValidatingAdmissionPolicy")
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceslices"]
+    assert sorted(rule["operations"]) == ["CREATE", "DELETE", "UPDATE"]
+    assert rule["apiVersions"] == ["*"]
+    (condition,) = policy["spec"]["matchConditions"]
+    assert f'"{SERVICE_ACCOUNT_USER}"' in condition["expression"]
+    assert "authentication.kubernetes.io/node-name" in str(policy["spec"]["variables"])
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    policy_binding = the(objects, "ValidatingAdmissionPolicyBinding")
+    assert policy_binding["spec"] == {
+        "policyName": policy["metadata"]["name"],
+        "validationActions": ["Deny"],
+    }
+
+
+@pytest.mark.parametrize("directory", DRA)
+def test_the_device_class_serves_the_extended_resource_pods_ask_for(directory: str) -> None:
+    """Pods unchanged since the device plugin (resources.limits of the extended resource) get
+    a share from the driver: the migration path."""
+    device_class = the(render(directory), "DeviceClass")
+    assert device_class["spec"]["extendedResourceName"] == RESOURCE
+    (selector,) = device_class["spec"]["selectors"]
+    assert selector["cel"]["expression"] == f'device.driver == "{DRIVER_NAME}"'
+    app = the(render("manifests/examples/confidential-app"), "Pod")
+    assert int(app["spec"]["containers"][0]["resources"]["limits"][RESOURCE]) == 1
+
+
+def test_dra_app() -> None:
+    objects = render("manifests/examples/dra-app")
+    pod = the(objects, "Pod")
+    template = the(objects, "ResourceClaimTemplate")
+    assert "namespace" not in pod["metadata"], "applies to the namespace the user chooses"
+    (claim,) = pod["spec"]["resourceClaims"]
+    assert claim["resourceClaimTemplateName"] == template["metadata"]["name"]
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"] == {"deviceClassName": DRIVER_NAME}
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"] == {"claims": [{"name": claim["name"]}]}
+    assert not pod["spec"].get("volumes")
+    assert not container.get("securityContext", {}).get("privileged", False)
 
 
 # The example workload

@@ -45,7 +45,9 @@ async def test_a_failing_resource_is_restarted_alone(
     with trio.move_on_after(600):
         async with trio.open_nursery() as nursery:
             for plugin in (broken, healthy):
-                nursery.start_soon(supervisor.supervise_resource, config, plugin)
+                nursery.start_soon(
+                    supervisor.supervise_resource, config, plugin, supervisor.serve_resource
+                )
     assert len(attempts["example.com/broken"]) == 3
     first, second, third = attempts["example.com/broken"]
     assert 0.5 <= second - first <= 1.0  # backoff: 1 s with jitter
@@ -66,4 +68,4 @@ async def test_a_fatal_error_in_a_resource_stops_the_daemon(
     config = Flags(host_root=str(host))
     plugin = DevicePlugin(config.pcc_resource(), str(host), ResourceStats())
     with pytest.raises(FatalError):
-        await supervisor.supervise_resource(config, plugin)
+        await supervisor.supervise_resource(config, plugin, supervisor.serve_resource)

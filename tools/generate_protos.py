@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = Path("protos") / "deviceplugin_v1beta1.proto"
+PROTOS = Path("protos")
 SIM_INIT = '"""Protobuf classes for the simulated kubelet (generated)."""\n'
 
 
@@ -31,12 +31,12 @@ def generate(out: Path) -> None:
     subprocess.run(
         [
             sys.executable, "-m", "grpc_tools.protoc",
-            f"--proto_path={PROTO.parent}",
+            f"--proto_path={PROTOS}",
             "--python_betterproto2_out="
             f"client_generation=async,server_generation=async:{betterproto_out}",
             f"--python_out={sim_out}",
             f"--pyi_out={sim_out}",
-            str(PROTO),
+            *sorted(str(PROTOS / proto.name) for proto in (ROOT / PROTOS).glob("*.proto")),
         ],
         cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip

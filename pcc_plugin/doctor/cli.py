@@ -99,11 +99,12 @@ def main(argv: Sequence[str]) -> NoReturn:
         from pcc_plugin import profiles
 
         try:
-            specs, digest = profiles.load(config.config)
+            specs, digest, _ = profiles.load(config.config)
         except profiles.ProfileError as exc:
             config_problem = str(exc)
     else:
-        specs, digest = flags.resources(config, PROG)
+        served = flags.resources(config, PROG)
+        specs, digest = served.specs, served.digest
     results: list[Result] = []
 
     def report(result: Result) -> None:

@@ -18,14 +18,18 @@ from pathlib import Path
 from typing import IO, Protocol
 
 # Never needed to register, each loaded only by the command or option that uses it: the
-# doctor, the simulator, profiles and their YAML (--config), and googleapis' status protos
-# (grpclib's error details, which the plugin neither sends nor reads).
+# doctor, the simulator, profiles and their YAML (--config), googleapis' status protos
+# (grpclib's error details, which the plugin neither sends nor reads), and the DRA mode with
+# its API client (--mode=dra).
 NOT_NEEDED_TO_REGISTER = (
     "pcc_plugin.doctor",
     "pcc_plugin.sim",
     "pcc_plugin.profiles",
     "yaml",
     "google",
+    "pcc_plugin.dra",
+    "lightkube",
+    "httpx",
 )
 
 

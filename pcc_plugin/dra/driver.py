@@ -1,0 +1,209 @@
+"""The DRA mode's serving: its sockets for kubelet, its ResourceSlices, its claims.
+
+The DRA socket (`<plugins>/<driver>/dra-<token>.sock`) serves before the registration
+socket (`<plugins_registry>/<driver>-<token>-reg.sock`) exists: kubelet dials the DRA socket
+as soon as it has registered the driver. The token is the pod's UID (--pod-uid) or this
+process's own, so the two instances of a rolling update never share a name; each removes its
+own sockets when it stops. Either socket gone (deleted by hand, its directory removed): both
+are served again. Kubelet restarting needs nothing of the sockets (it registers the ones it
+finds), but it deletes the node's slices, which `slices.publish` writes again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from asyncinotify import Inotify, Mask
+
+from pcc_plugin import grpc_server
+from pcc_plugin.dra import kube, slices
+from pcc_plugin.dra.claims import Preparer
+from pcc_plugin.dra.service import DraService, RegistrationService, on_error
+from pcc_plugin.flags import Flags
+from pcc_plugin.fs import Identity
+from pcc_plugin.health import watch_health
+from pcc_plugin.inotify import DIR_GONE, VANISHED, next_events, open_inotify, wait_for_directory
+from pcc_plugin.klog import V1
+from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.plugin_dir import accepts_connections, own_socket_problem, process_token
+from pcc_plugin.registration import Backoff
+
+log = logging.getLogger(__name__)
+
+MAX_SOCKET_PATH_BYTES = 107
+REGISTRATION_SUFFIX = "-reg.sock"
+
+
+def state_dir(config: Flags) -> Path:
+    """Where the DRA socket, the checkpoint and its lock go: kubelet's, per driver."""
+    return Path(config.kubelet_plugins_path) / config.driver_name
+
+
+def socket_paths(config: Flags) -> tuple[Path, Path]:
+    """The registration socket and the DRA socket of this instance.
+
+    With a name too long for a unix socket, the token and driver give way to a hash of them.
+    """
+    token = config.pod_uid or process_token()
+    registry = Path(config.kubelet_registry_path)
+    registration = registry / f"{config.driver_name}-{token}{REGISTRATION_SUFFIX}"
+    dra = state_dir(config) / f"dra-{token}.sock"
+    digest = hashlib.sha256(f"{config.driver_name}/{token}".encode()).hexdigest()[:16]
+    if len(os.fsencode(registration)) > MAX_SOCKET_PATH_BYTES:
+        registration = registry / f"{digest}{REGISTRATION_SUFFIX}"
+    if len(os.fsencode(dra)) > MAX_SOCKET_PATH_BYTES:
+        dra = state_dir(config) / f"dra-{digest}.sock"
+    return registration, dra
+
+
+def socket_path_problem(config: Flags) -> str | None:
+    """Why this instance's sockets cannot be made, even hashed (a usage error)."""
+    _, dra = socket_paths(config)
+    if len(os.fsencode(dra)) > MAX_SOCKET_PATH_BYTES:
+        return (
+            f"--driver-name: {dra} is longer than the {MAX_SOCKET_PATH_BYTES} bytes of a unix "
+            "socket path; use a shorter driver name or --kubelet-plugins-path"
+        )
+    return None
+
+
+def remove_stale_sockets(config: Flags) -> None:
+    """Sockets of earlier instances of this driver that nothing serves (one that was killed)."""
+    registry = Path(config.kubelet_registry_path)
+    stale = [
+        path
+        for path in registry.glob(f"{config.driver_name}-*{REGISTRATION_SUFFIX}")
+        if path.is_socket()
+    ]
+    stale += [path for path in state_dir(config).glob("dra-*.sock") if path.is_socket()]
+    for path in stale:
+        if not accepts_connections(path):
+            path.unlink(missing_ok=True)
+            log.info("Removed stale socket %s", path)
+
+
+async def serve_once(config: Flags, plugin: DevicePlugin, backoff: Backoff) -> None:
+    """Everything of the mode, until cancelled (supervisor.supervise_resource restarts it
+    after a bug)."""
+    api = kube.open_client(config.kubeconfig)
+    preparer = Preparer(
+        config.driver_name, config.node_name, plugin, state_dir(config),
+        Path(config.cdi_spec_dir), config.instance_name, api.get_claim,
+    )  # fmt: skip
+
+    def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
+        return slices.desired(pool, plugin.spec, plugin.devices)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch_health, plugin, config.host_root)
+            nursery.start_soon(
+                slices.publish, api, config.driver_name, config.node_name, wanted,
+                plugin.next_change, plugin.stats,
+            )  # fmt: skip
+            nursery.start_soon(serve_kubelet, config, plugin, preparer)
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
+            await api.close()
+
+
+async def serve_kubelet(config: Flags, plugin: DevicePlugin, preparer: Preparer) -> None:
+    """One generation of sockets after another; faults back to back wait."""
+    registry = Path(config.kubelet_registry_path)
+    restarts = Backoff(immediate_first=True)
+    problem: str | None = None
+    while True:
+        plugin.stats.registered = False
+        plugin.stats.waiting_for = f"waiting for {registry} to be created"
+        await wait_for_directory(registry)
+        plugin.stats.generation += 1
+        plugin.stats.waiting_for = "waiting for kubelet to register the driver"
+        try:
+            state_dir(config).mkdir(parents=True, exist_ok=True)
+            remove_stale_sockets(config)
+            preparer.restore_specs()
+            reason = await serve_generation(config, plugin, preparer)
+            fault = False
+            if problem is not None:
+                log.info("Serving for kubelet again, after: %s", problem)
+                problem = None
+        except OSError as exc:
+            reason = (
+                f"cannot serve in {exc.filename or registry}: [Errno {exc.errno}] {exc.strerror}"
+            )
+            fault = True
+            if reason != problem:
+                log.error("%s; retrying", reason)
+            problem = plugin.stats.waiting_for = reason
+        plugin.stats.last_restart_reason = reason
+        log.log(V1, "Serving the DRA sockets again: %s", reason)
+        if fault:
+            plugin.stats.restart_delay = restarts.next_delay()
+            await trio.sleep(plugin.stats.restart_delay)
+        else:
+            restarts.reset()
+
+
+async def serve_generation(config: Flags, plugin: DevicePlugin, preparer: Preparer) -> str:
+    """Serve the DRA socket, then the registration socket, until one goes; say why it ended.
+    OSError when a socket cannot be served (each is removed again as it closes)."""
+    registration_path, dra_path = socket_paths(config)
+    report = on_error(plugin.stats)
+    dra_server = grpc_server.Server(DraService(preparer).methods(), report)
+    registration = RegistrationService(config.driver_name, str(dra_path), plugin.stats)
+    registration_server = grpc_server.Server(registration.methods(), report)
+    reason = "cancelled"
+    with open_inotify() as inotify:
+        async with trio.open_nursery() as nursery:
+
+            def restart(why: str) -> None:
+                nonlocal reason
+                reason = why
+                nursery.cancel_scope.cancel()
+
+            sockets: list[tuple[Path, Identity]] = []
+            for server, path in ((dra_server, dra_path), (registration_server, registration_path)):
+                listener, own = grpc_server.bind(path)
+                # grpc_server.serve owns the listener from here, and closes it however it ends.
+                await nursery.start(grpc_server.serve, server, listener, path, own)
+                sockets.append((path, own))
+            log.info("Serving DRA driver %s on %s, registration on %s",
+                     config.driver_name, dra_path, registration_path)  # fmt: skip
+            await nursery.start(watch_sockets, inotify, sockets, restart)
+    return reason
+
+
+_GONE = VANISHED | DIR_GONE | Mask.ONLYDIR
+
+
+async def watch_sockets(
+    inotify: Inotify,
+    sockets: list[tuple[Path, Identity]],
+    restart: Callable[[str], None],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Call `restart(reason)` once a socket is no longer ours (deleted, replaced) or its
+    directory goes. Watches first, then looks: nothing slips between."""
+    try:
+        for path, _ in sockets:
+            inotify.add_watch(path.parent, _GONE)
+    except (FileNotFoundError, NotADirectoryError):
+        task_status.started()
+        restart("a socket's directory disappeared")
+        return
+    task_status.started()
+    while True:
+        for path, own in sockets:
+            problem = own_socket_problem(path, own)
+            if problem:
+                log.info("inotify: own socket %s %s, serving again.", path, problem)
+                restart(f"own socket {path.name} {problem}")
+                return
+        await next_events(inotify)

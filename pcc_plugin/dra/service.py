@@ -1,0 +1,166 @@
+"""The gRPC services of the DRA mode: plugin registration, and kubelet's DRAPlugin (v1, v1beta1).
+
+Requests are checked by `wire` before they are decoded (a malformed one is INVALID_ARGUMENT,
+without a traceback). A call that fails for one claim answers that claim's error and the
+others' devices: kubelet fails only the pods of that claim, and tries them again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpclib.const
+import grpclib.exceptions
+
+from pcc_plugin import wire
+from pcc_plugin._proto import pluginregistration as registration
+from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1, v1beta1
+from pcc_plugin.bridge import call_trio
+from pcc_plugin.dra.claims import ClaimRef, PreparedDevice, Preparer
+from pcc_plugin.grpc_server import Call, MethodSpec
+from pcc_plugin.klog import V1
+from pcc_plugin.service import check_message
+from pcc_plugin.stats import ResourceStats
+
+log = logging.getLogger(__name__)
+
+Status = grpclib.const.Status
+GRPCError = grpclib.exceptions.GRPCError
+
+REGISTRATION = "/pluginregistration.Registration/"
+DRA_V1 = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/"
+DRA_V1BETA1 = "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/"
+PLUGIN_TYPE = "DRAPlugin"
+# What GetInfo offers, preferred first: kubelet takes the first it knows.
+SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+# Kubelet sends the claims of one pod; a pod has far fewer.
+MAX_CLAIMS = 128
+
+
+def on_error(stats: ResourceStats) -> Callable[[str, BaseException], None]:
+    """A bug showed in a handler or a connection: say so at every verbosity, and count it."""
+
+    def report(where: str, error: BaseException) -> None:
+        where = where.rpartition("/")[2] or where
+        stats.handler_errors[where] += 1
+        log.error("%s failed unexpectedly", where, exc_info=error)
+
+    return report
+
+
+class RegistrationService:
+    """What kubelet asks of the registration socket: who we are, and how registering went."""
+
+    def __init__(self, driver: str, endpoint: str, stats: ResourceStats) -> None:
+        self._stats = stats
+        self._driver = driver
+        self._info = bytes(
+            registration.PluginInfo(
+                type=PLUGIN_TYPE,
+                name=driver,
+                endpoint=endpoint,
+                supported_versions=SUPPORTED_SERVICES,
+            )
+        )
+
+    def methods(self) -> dict[str, MethodSpec]:
+        return {
+            REGISTRATION + "GetInfo": MethodSpec(self.get_info),
+            REGISTRATION + "NotifyRegistrationStatus": MethodSpec(self.notify_registration_status),
+        }
+
+    def get_info(self, data: bytes, call: Call) -> bytes:
+        check_message(data, wire.EMPTY, "InfoRequest")
+        log.log(V1, "Kubelet asked the registration socket who it is (GetInfo)")
+        return self._info
+
+    def notify_registration_status(self, data: bytes, call: Call) -> bytes:
+        check_message(data, wire.REGISTRATION_STATUS, "RegistrationStatus")
+        status = registration.RegistrationStatus.parse(data)
+        if status.plugin_registered:
+            self._stats.registered = True
+            log.info("Registered DRA driver %s with kubelet", self._driver)
+        else:
+            self._stats.registered = False
+            self._stats.waiting_for = f"kubelet refused the registration: {status.error}"
+            log.error("Kubelet refused the registration of DRA driver %s: %s", self._driver,
+                      status.error)  # fmt: skip
+        return b""
+
+
+class DraService:
+    """NodePrepareResources and NodeUnprepareResources, in both versions kubelet may pick."""
+
+    def __init__(self, preparer: Preparer) -> None:
+        self._preparer = preparer
+
+    def methods(self) -> dict[str, MethodSpec]:
+        methods = {}
+        for service in (DRA_V1, DRA_V1BETA1):
+            methods[service + "NodePrepareResources"] = MethodSpec(self._prepare(service))
+            methods[service + "NodeUnprepareResources"] = MethodSpec(self._unprepare(service))
+        return methods
+
+    def _prepare(self, service: str) -> Callable[[bytes, Call], Awaitable[bytes]]:
+        api = v1 if service == DRA_V1 else v1beta1
+
+        async def prepare(data: bytes, call: Call) -> bytes:
+            claims = read_claims(data, "NodePrepareResourcesRequest")
+            answers = await call_trio(self._preparer.prepare, claims)
+            return bytes(
+                api.NodePrepareResourcesResponse(
+                    claims={
+                        uid: (
+                            api.NodePrepareResourceResponse(error=answer)
+                            if isinstance(answer, str)
+                            else api.NodePrepareResourceResponse(
+                                devices=[_device(api, device) for device in answer]
+                            )
+                        )
+                        for uid, answer in answers.items()
+                    }
+                )
+            )
+
+        return prepare
+
+    def _unprepare(self, service: str) -> Callable[[bytes, Call], Awaitable[bytes]]:
+        api = v1 if service == DRA_V1 else v1beta1
+
+        async def unprepare(data: bytes, call: Call) -> bytes:
+            claims = read_claims(data, "NodeUnprepareResourcesRequest")
+            answers = await call_trio(self._preparer.unprepare, claims)
+            return bytes(
+                api.NodeUnprepareResourcesResponse(
+                    claims={
+                        uid: api.NodeUnprepareResourceResponse(error=error or "")
+                        for uid, error in answers.items()
+                    }
+                )
+            )
+
+        return unprepare
+
+
+def _device(api: object, device: PreparedDevice) -> object:
+    return api.Device(  # type: ignore[attr-defined]
+        request_names=list(device.requests),
+        pool_name=device.pool,
+        device_name=device.device,
+        cdi_device_ids=list(device.cdi_ids),
+    )
+
+
+def read_claims(data: bytes, name: str) -> list[ClaimRef]:
+    check_message(data, wire.CLAIMS_REQUEST, name)
+    request = v1.NodePrepareResourcesRequest.parse(data)
+    if len(request.claims) > MAX_CLAIMS:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"{name} has more than {MAX_CLAIMS} claims")
+    claims = [ClaimRef(claim.namespace, claim.name, claim.uid) for claim in request.claims]
+    for claim in claims:
+        if not claim.uid or not claim.namespace or not claim.name:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, f"{name} names a claim without namespace, name or UID"
+            )
+    return claims

@@ -1,0 +1,387 @@
+"""A fake API server: the few endpoints of the DRA mode, in memory, on 127.0.0.1, for tests.
+
+It serves what the driver uses of kube-apiserver, in its JSON and with its status codes:
+GET a Node and a ResourceClaim; list, watch (chunked, from a resource version), create,
+replace and delete ResourceSlices, with field selectors on spec.nodeName and spec.driver.
+It checks the bearer token, and what kube-apiserver checks of a slice that a driver could get
+wrong (at most 128 devices, a pool, names). Threads answer requests, so trio tests drive it
+through `run_blocking` like the simulated kubelet; `wait_for` blocks until a predicate on its
+state holds.
+
+Faults: `stop` makes it unreachable (connections refused, open watches cut), `start` serves
+again on the same port; `delete_slices` is what kubelet does to a node's slices when it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import re
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+Obj = dict[str, Any]
+
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+MAX_DEVICES_PER_SLICE = 128
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+class Rejected(Exception):
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+
+
+def status(code: int, reason: str, message: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
+
+
+def check_slice(obj: Obj) -> None:
+    """What kube-apiserver refuses of a ResourceSlice that a driver could get wrong."""
+    spec = obj.get("spec") or {}
+    devices = spec.get("devices") or []
+    problems = []
+    if not spec.get("driver") or not spec.get("nodeName"):
+        problems.append("spec.driver and spec.nodeName are required")
+    pool = spec.get("pool") or {}
+    if not pool.get("name") or pool.get("resourceSliceCount", 0) < 1:
+        problems.append("spec.pool needs a name and a resourceSliceCount of at least 1")
+    if len(devices) > MAX_DEVICES_PER_SLICE:
+        problems.append(f"spec.devices: at most {MAX_DEVICES_PER_SLICE}, got {len(devices)}")
+    for device in devices:
+        if not _DNS_LABEL.fullmatch(device.get("name", "")):
+            problems.append(f"device name {device.get('name')!r} is not a DNS label")
+        for value in (device.get("attributes") or {}).values():
+            if len(str(value.get("string", ""))) > 64:
+                problems.append("a string attribute is longer than 64 characters")
+    if problems:
+        raise Rejected(422, "Invalid", "; ".join(problems))
+
+
+class FakeApiServer:
+    """kube-apiserver's DRA endpoints on http://127.0.0.1:<port>, with one bearer token."""
+
+    def __init__(self, token: str = "sim-token") -> None:
+        self.token = token
+        self._changed = threading.Condition(threading.RLock())
+        self._versions = itertools.count(1)
+        self._version = 0
+        self.nodes: dict[str, Obj] = {}
+        self.claims: dict[tuple[str, str], Obj] = {}
+        self._slices: dict[str, Obj] = {}
+        self._events: list[tuple[int, str, Obj]] = []
+        self.requests: list[str] = []
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._connections: set[socket.socket] = set()
+        self.port = 0
+
+    # Lifecycle
+
+    def start(self) -> None:
+        server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler_class())
+        server.daemon_threads = True
+        self.port = server.server_address[1]
+        thread = threading.Thread(target=server.serve_forever, name="fake-apiserver", daemon=True)
+        with self._changed:
+            self._server, self._thread = server, thread
+        thread.start()
+
+    def stop(self) -> None:
+        """Unreachable: new connections refused, open ones (watches) cut."""
+        with self._changed:
+            server, self._server = self._server, None
+            connections = list(self._connections)
+            self._changed.notify_all()
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+    def __enter__(self) -> FakeApiServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        """A kubeconfig for the daemon's --kubeconfig (JSON is YAML)."""
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "sim", "cluster": {"server": self.url}}],
+            "users": [{"name": "sim", "user": {"token": self.token}}],
+            "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "sim"}}],
+            "current-context": "sim",
+        }
+        path.write_text(json.dumps(config))
+        return path
+
+    # State, as tests set and read it
+
+    def add_node(self, name: str) -> Obj:
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": self._metadata(name)}
+        with self._changed:
+            self.nodes[name] = node
+        return node
+
+    def put_claim(
+        self, namespace: str, name: str, devices: list[Obj] | None, uid: str | None = None
+    ) -> Obj:
+        """A ResourceClaim, allocated with these results (`driver`, `pool`, `device`,
+        `request`), or not allocated (None)."""
+        claim: Obj = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {**self._metadata(name), "namespace": namespace},
+            "spec": {"devices": {"requests": []}},
+        }
+        if uid is not None:
+            claim["metadata"]["uid"] = uid
+        if devices is not None:
+            claim["status"] = {"allocation": {"devices": {"results": devices}}}
+        with self._changed:
+            self.claims[(namespace, name)] = claim
+        return claim
+
+    def slices(self, node: str | None = None) -> list[Obj]:
+        with self._changed:
+            return [
+                json.loads(json.dumps(obj))
+                for obj in self._slices.values()
+                if node is None or obj["spec"]["nodeName"] == node
+            ]
+
+    def delete_slices(self, node: str) -> None:
+        """What kubelet does at its start: delete every slice of its node."""
+        with self._changed:
+            for name, obj in list(self._slices.items()):
+                if obj["spec"]["nodeName"] == node:
+                    del self._slices[name]
+                    self._event("DELETED", obj)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        with self._changed:
+            if not self._changed.wait_for(predicate, timeout):
+                raise TimeoutError(
+                    f"{getattr(predicate, '__qualname__', predicate)} still false after "
+                    f"{timeout} s; slices: {sorted(self._slices)}; last requests: "
+                    f"{self.requests[-5:]}"
+                )
+
+    # Inside: the caller holds the lock
+
+    def _metadata(self, name: str) -> Obj:
+        return {"name": name, "uid": str(uuid.uuid4()), "resourceVersion": self._bump()}
+
+    def _bump(self) -> str:
+        self._version = next(self._versions)
+        return str(self._version)
+
+    def _event(self, kind: str, obj: Obj) -> None:
+        if kind == "DELETED":
+            obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": self._bump()}}
+        self._events.append((self._version, kind, json.loads(json.dumps(obj))))
+        self._changed.notify_all()
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(_Handler):
+            api = fake
+
+        return Handler
+
+    def answer(self, method: str, path: str, query: dict[str, str], body: Obj | None) -> Obj:
+        """The answer to one request that is not a watch; Rejected for an error status."""
+        with self._changed:
+            self.requests.append(f"{method} {path}")
+            if match := re.fullmatch(r"/api/v1/nodes/([^/]+)", path):
+                return self._get(self.nodes, match[1], "nodes")
+            if match := re.fullmatch(
+                rf"{RESOURCE_API}/namespaces/([^/]+)/resourceclaims/([^/]+)", path
+            ):
+                return self._get(
+                    self.claims, (match[1], match[2]), "resourceclaims.resource.k8s.io"
+                )
+            if path == f"{RESOURCE_API}/resourceslices" and method == "GET":
+                return {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceSliceList",
+                    "metadata": {"resourceVersion": str(self._version)},
+                    "items": [obj for obj in self._slices.values() if _selected(obj, query)],
+                }
+            if path == f"{RESOURCE_API}/resourceslices" and method == "POST":
+                return self._create(body or {})
+            if match := re.fullmatch(rf"{RESOURCE_API}/resourceslices/([^/]+)", path):
+                return self._slice(method, match[1], body)
+        raise Rejected(404, "NotFound", f"the server could not find the requested resource {path}")
+
+    def _get(self, store: dict[Any, Obj], key: Any, kind: str) -> Obj:
+        if key not in store:
+            raise Rejected(404, "NotFound", f'{kind} "{key}" not found')
+        return store[key]
+
+    def _create(self, obj: Obj) -> Obj:
+        check_slice(obj)
+        name = obj["metadata"]["name"]
+        if name in self._slices:
+            raise Rejected(409, "AlreadyExists", f'resourceslices "{name}" already exists')
+        obj["metadata"] = {**obj["metadata"], **self._metadata(name)}
+        self._slices[name] = obj
+        self._event("ADDED", obj)
+        return obj
+
+    def _slice(self, method: str, name: str, body: Obj | None) -> Obj:
+        old = self._get(self._slices, name, "resourceslices.resource.k8s.io")
+        if method == "GET":
+            return old
+        if method == "DELETE":
+            del self._slices[name]
+            self._event("DELETED", old)
+            return old
+        if method != "PUT" or body is None:
+            raise Rejected(405, "MethodNotAllowed", f"{method} is not allowed here")
+        check_slice(body)
+        if body["metadata"].get("resourceVersion") != old["metadata"]["resourceVersion"]:
+            raise Rejected(409, "Conflict", "the object has been modified")
+        if body["spec"]["nodeName"] != old["spec"]["nodeName"]:
+            raise Rejected(422, "Invalid", "spec.nodeName: field is immutable")
+        body["metadata"] = {**old["metadata"], "resourceVersion": self._bump()}
+        self._slices[name] = body
+        self._event("MODIFIED", body)
+        return body
+
+    def _news(self, server: ThreadingHTTPServer | None, since: int) -> bool:
+        """Stopped since `server` began, or events after `since`."""
+        return self._server is not server or bool(self._events and self._events[-1][0] > since)
+
+    def check_watch(self, query: dict[str, str]) -> None:
+        with self._changed:
+            self.requests.append("WATCH resourceslices")
+            if int(query.get("resourceVersion") or 0) > self._version:
+                raise Rejected(504, "Timeout", "Too large resource version")
+
+    def watch(self, query: dict[str, str], send: Callable[[bytes], None]) -> None:
+        """Send the slice events after the query's resource version, until stopped."""
+        since = int(query.get("resourceVersion") or 0)
+        with self._changed:
+            server = self._server
+        while True:
+            with self._changed:
+                self._changed.wait_for(functools.partial(self._news, server, since))
+                if self._server is not server:
+                    return
+                pending = [event for event in self._events if event[0] > since]
+            for version, kind, obj in pending:
+                since = version
+                if _selected(obj, query):
+                    send(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+
+
+def _selected(obj: Obj, query: dict[str, str]) -> bool:
+    for term in filter(None, query.get("fieldSelector", "").split(",")):
+        field, _, value = term.partition("=")
+        found: Any = obj
+        for part in field.split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        if found != value:
+            return False
+    return True
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    api: FakeApiServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.api._changed:
+            self.api._connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.api._changed:
+            self.api._connections.discard(self.connection)
+        with contextlib.suppress(OSError):
+            super().finish()
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    def _serve(self, method: str) -> None:
+        url = urlsplit(self.path)
+        query = {key: values[-1] for key, values in parse_qs(url.query).items()}
+        size = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(size)) if size else None
+        try:
+            if self.headers.get("Authorization") != f"Bearer {self.api.token}":
+                raise Rejected(401, "Unauthorized", "Unauthorized")
+            if query.get("watch") in ("true", "1"):
+                self._watch(query)
+                return
+            self._send(200, self.api.answer(method, url.path, query, body))
+        except Rejected as rejected:
+            self._send(rejected.code, status(rejected.code, rejected.reason, str(rejected)))
+
+    def _send(self, code: int, obj: Obj) -> None:
+        payload = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _watch(self, query: dict[str, str]) -> None:
+        self.api.check_watch(query)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def send(line: bytes) -> None:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            self.wfile.flush()
+
+        try:
+            self.api.watch(query, send)
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass
+        self.close_connection = True

@@ -1,0 +1,271 @@
+"""The simulated kubelet's DRA side: plugin registration and the DRA node calls, on grpcio.
+
+Like kubelet's plugin manager, it watches its plugins_registry directory (inotify, in a
+thread) and registers the sockets already there at start: it dials each one, asks GetInfo
+(1 s deadline), checks the answer as kubelet does (type DRAPlugin, a driver name, an
+endpoint, a service it supports: the first of the plugin's list it knows), and says how it
+went with NotifyRegistrationStatus. A socket removed drops its instance. Calls go to the
+newest instance of a driver, with kubelet's 45 s deadline. At start it deletes the node's
+ResourceSlices from the API server, as kubelet does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import grpc
+from asyncinotify import InitFlags, Inotify, Mask
+
+from pcc_plugin.inotify import pending_events
+from pcc_plugin.sim._pb import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
+from pcc_plugin.sim.apiserver import FakeApiServer
+from pcc_plugin.sim.state import serialize
+
+log = logging.getLogger(__name__)
+
+GET_INFO = "/pluginregistration.Registration/GetInfo"
+NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
+# Kubelet's registration deadlines and its DRA call timeout.
+GET_INFO_TIMEOUT = 1.0
+NOTIFY_TIMEOUT = 5.0
+CALL_TIMEOUT = 45.0
+# The services kubelet 1.37 speaks, as registrations name them, and their gRPC paths.
+SERVICES = {
+    "v1.DRAPlugin": ("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/", dra_v1_pb2),
+    "v1beta1.DRAPlugin": ("/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/", dra_v1beta1_pb2),
+}
+
+
+@attrs.frozen
+class DraRegistration:
+    """One registration kubelet accepted, or refused (`error`)."""
+
+    socket: str
+    driver: str
+    endpoint: str
+    service: str
+    supported: tuple[str, ...]
+    # Whether the endpoint took a connection when GetInfo was answered.
+    endpoint_served: bool
+    error: str | None
+
+
+class SimDraKubelet:
+    """kubelet's plugin manager and DRA manager for one node."""
+
+    def __init__(
+        self,
+        registry_dir: Path,
+        node: str,
+        api: FakeApiServer | None = None,
+        services: tuple[str, ...] = tuple(SERVICES),
+    ) -> None:
+        """`services`: those this kubelet knows (1.34 to 1.37 know both; 1.32 and 1.33 only
+        v1beta1)."""
+        self.registry_dir = registry_dir
+        self.services = services
+        self.node = node
+        self.api = api
+        self._changed = threading.Condition(threading.RLock())
+        self.registrations: list[DraRegistration] = []
+        # Accepted instances by registration socket name, newest last.
+        self._instances: dict[str, DraRegistration] = {}
+        self._thread: threading.Thread | None = None
+        self._stop_write: int | None = None
+
+    def start(self) -> None:
+        """Start as kubelet does: delete the node's slices, register what is there, watch."""
+        if self.api is not None:
+            self.api.delete_slices(self.node)
+        self.registry_dir.mkdir(parents=True, exist_ok=True)
+        inotify = Inotify(flags=InitFlags.CLOEXEC | os.O_NONBLOCK)
+        inotify.add_watch(
+            self.registry_dir, Mask.CREATE | Mask.MOVED_TO | Mask.DELETE | Mask.MOVED_FROM
+        )
+        stop_read, self._stop_write = os.pipe()
+        for path in sorted(self.registry_dir.iterdir()):
+            self._appeared(path.name)
+        self._thread = threading.Thread(
+            target=self._watch, args=(inotify, stop_read), name="sim-dra-kubelet", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._stop_write is None or self._thread is None:
+            return
+        os.write(self._stop_write, b"x")
+        self._thread.join(timeout=5)
+        os.close(self._stop_write)
+        self._stop_write = None
+        with self._changed:
+            self._instances.clear()
+            self._changed.notify_all()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> SimDraKubelet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        with self._changed:
+            if not self._changed.wait_for(predicate, timeout):
+                raise TimeoutError(
+                    f"{getattr(predicate, '__qualname__', predicate)} still false after "
+                    f"{timeout} s; registrations: {self.registrations[-3:]}"
+                )
+
+    def instances(self, driver: str) -> list[DraRegistration]:
+        with self._changed:
+            return [one for one in self._instances.values() if one.driver == driver]
+
+    # The calls
+
+    def prepare(
+        self, driver: str, claims: list[tuple[str, str, str]], timeout: float = CALL_TIMEOUT
+    ) -> Any:
+        """NodePrepareResources of (namespace, name, uid) claims, to the newest instance."""
+        return self._call(driver, "NodePrepareResources", claims, timeout)
+
+    def unprepare(
+        self, driver: str, claims: list[tuple[str, str, str]], timeout: float = CALL_TIMEOUT
+    ) -> Any:
+        return self._call(driver, "NodeUnprepareResources", claims, timeout)
+
+    def call_raw(self, driver: str, method: str, payload: bytes) -> tuple[grpc.StatusCode, str]:
+        """Send `payload` as is to the newest instance's `method`; the status and its details."""
+        instance = self.instances(driver)[-1]
+        path, _ = SERVICES[instance.service]
+        with grpc.insecure_channel(f"unix:{instance.endpoint}") as channel:
+            try:
+                channel.unary_unary(path + method)(payload, timeout=CALL_TIMEOUT)
+            except grpc.RpcError as failure:
+                return failure.code(), failure.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    def _call(
+        self, driver: str, method: str, claims: list[tuple[str, str, str]], timeout: float
+    ) -> Any:
+        instances = self.instances(driver)
+        if not instances:
+            raise LookupError(f"DRA driver {driver} is not registered")
+        instance = instances[-1]
+        path, pb = SERVICES[instance.service]
+        request_type = getattr(pb, f"{method}Request")
+        response_type = getattr(pb, f"{method}Response")
+        request = request_type(
+            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims]
+        )
+        with grpc.insecure_channel(f"unix:{instance.endpoint}") as channel:
+            call = channel.unary_unary(
+                path + method,
+                request_serializer=serialize,
+                response_deserializer=response_type.FromString,
+            )
+            return call(request, timeout=timeout)
+
+    # Registration
+
+    def _watch(self, inotify: Inotify, stop_read: int) -> None:
+        try:
+            while True:
+                ready, _, _ = select.select([inotify.fd, stop_read], [], [])
+                if stop_read in ready:
+                    return
+                for event in pending_events(inotify):
+                    if event.name is None:
+                        continue
+                    if event.mask & (Mask.CREATE | Mask.MOVED_TO):
+                        self._appeared(str(event.name))
+                    else:
+                        self._vanished(str(event.name))
+        finally:
+            inotify.close()
+            os.close(stop_read)
+
+    def _appeared(self, name: str) -> None:
+        path = self.registry_dir / name
+        if name.startswith(".") or not path.is_socket():
+            return
+        registration = self._register(path)
+        with self._changed:
+            self.registrations.append(registration)
+            if registration.error is None:
+                self._instances.pop(name, None)
+                self._instances[name] = registration
+                log.info(
+                    "registered DRA driver %s at %s", registration.driver, registration.endpoint
+                )
+            else:
+                log.info("refused DRA plugin %s: %s", name, registration.error)
+            self._changed.notify_all()
+
+    def _vanished(self, name: str) -> None:
+        with self._changed:
+            if self._instances.pop(name, None) is not None:
+                log.info("deregistered the DRA plugin of %s", name)
+                self._changed.notify_all()
+
+    def _register(self, path: Path) -> DraRegistration:
+        with grpc.insecure_channel(f"unix:{path}") as channel:
+            try:
+                info = channel.unary_unary(
+                    GET_INFO,
+                    request_serializer=serialize,
+                    response_deserializer=pluginregistration_pb2.PluginInfo.FromString,
+                )(pluginregistration_pb2.InfoRequest(), timeout=GET_INFO_TIMEOUT)
+            except grpc.RpcError as failure:
+                return DraRegistration(
+                    path.name, "", "", "", (), False, f"GetInfo: {failure.code().name}"
+                )
+            endpoint = info.endpoint or str(path)
+            served = _takes_connections(endpoint)
+            error = _validate(info, self.services)
+            service = next((one for one in info.supported_versions if one in self.services), "")
+            notify = channel.unary_unary(NOTIFY, request_serializer=serialize)
+            try:
+                notify(
+                    pluginregistration_pb2.RegistrationStatus(
+                        plugin_registered=error is None, error=error or ""
+                    ),
+                    timeout=NOTIFY_TIMEOUT,
+                )
+            except grpc.RpcError as failure:
+                error = error or f"NotifyRegistrationStatus: {failure.code().name}"
+        return DraRegistration(
+            path.name, info.name, endpoint, service, tuple(info.supported_versions), served, error
+        )
+
+
+def _validate(info: Any, services: tuple[str, ...]) -> str | None:
+    if info.type != "DRAPlugin":
+        return f"unknown plugin type {info.type!r}"
+    if not info.name:
+        return "the driver has no name"
+    if info.endpoint and not info.endpoint.startswith("/"):
+        return f"endpoint {info.endpoint!r} is not an absolute path"
+    if not any(one in services for one in info.supported_versions):
+        return f"none of the services {list(info.supported_versions)} is supported"
+    return None
+
+
+def _takes_connections(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,584 @@
+"""The DRA mode: the real daemon, as a process, against the simulated kubelet's DRA side
+(grpcio) and the fake API server (both in pcc_plugin/sim).
+
+What a cluster adds (the scheduler allocating from the slices, the extended-resource path,
+containerd reading the CDI specs) is left to `nox -s cluster`; docs/dra.md says what it must
+still show.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpclib.const
+import grpclib.exceptions
+import httpx
+import hypothesis
+import hypothesis.strategies
+import pytest
+import trio
+import trio.testing
+from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
+from metrics_support import get, metrics_port, scrape, value
+
+from pcc_plugin import flags, grpc_server
+from pcc_plugin.dra import claims, slices
+from pcc_plugin.dra import service as dra_service
+from pcc_plugin.dra.driver import socket_paths
+from pcc_plugin.flags import PROG, Flags
+from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.resource import Device, pcc_resource
+from pcc_plugin.sim import StartDaemon, run_blocking
+from pcc_plugin.sim import dra as sim_dra
+from pcc_plugin.sim.dra import SimDraKubelet
+from pcc_plugin.stats import ResourceStats
+
+V1_PREPARE = "NodePrepareResources"
+CDI_ID = f"{DRIVER}/claim="
+
+
+def cdi_spec(dra: DraNode, uid: str) -> Path:
+    return dra.cdi / f"{DRIVER}-claim_{uid}.json"
+
+
+def devices_of(response: object, uid: str) -> list[tuple[list[str], str, str, list[str]]]:
+    answer = response.claims[uid]  # type: ignore[attr-defined]
+    assert answer.error == ""
+    return [
+        (list(d.request_names), d.pool_name, d.device_name, list(d.cdi_device_ids))
+        for d in answer.devices
+    ]
+
+
+async def test_registers_publishes_and_prepares_a_claim_idempotently(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        (registration,) = dra.kubelet.registrations
+        # Kubelet's view: a DRA plugin of this driver, v1 first, its DRA socket already served.
+        assert registration.driver == DRIVER
+        assert registration.supported == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+        assert registration.service == "v1.DRAPlugin"
+        assert registration.endpoint_served
+        assert Path(registration.endpoint).parent == dra.state
+        assert re.fullmatch(
+            rf"{re.escape(DRIVER)}-\d+-[0-9a-f]{{6}}-reg\.sock", registration.socket
+        )
+        await published(dra, SHARES, generation=1)
+        (one,) = dra.slices()
+        assert one["spec"]["driver"] == DRIVER
+        assert one["spec"]["nodeName"] == NODE
+        assert one["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
+        assert one["metadata"]["ownerReferences"][0]["kind"] == "Node"
+        assert one["spec"]["devices"][3] == {
+            "name": "pcc-3",
+            "attributes": {
+                "kind": {"string": "pcc-device"},
+                "resourceName": {"string": "tke.cloud.tencent.com/pcc-device"},
+                "share": {"int": 3},
+                "hostPath": {"string": "/dev/sev-guest"},
+                "mountPath": {"string": "/var/run/pcc"},
+            },
+        }
+
+        dra.claim("app", "uid-1")
+        expected = [(["pcc"], NODE, "pcc-3", [CDI_ID + "uid-1"])]
+        first = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert devices_of(first, "uid-1") == expected
+        spec = json.loads(cdi_spec(dra, "uid-1").read_text())
+        assert spec["kind"] == f"{DRIVER}/claim"
+        (device,) = spec["devices"]
+        assert device["name"] == "uid-1"
+        assert device["containerEdits"]["deviceNodes"] == [
+            {"path": "/dev/sev-guest", "hostPath": "/dev/sev-guest", "permissions": "rw"}
+        ]
+        assert device["containerEdits"]["mounts"] == [
+            {
+                "hostPath": "/var/run/pcc",
+                "containerPath": "/var/run/pcc",
+                "options": ["rbind", "rw"],
+            }
+        ]
+        assert dra.checkpoint()["uid-1"]["devices"] == [
+            {"requests": ["pcc"], "pool": NODE, "device": "pcc-3"}
+        ]
+        # Kubelet may ask again (a restart, a reboot): the same whole answer, without the API
+        # server, and the spec written again if it was lost (/var/run/cdi is a tmpfs).
+        cdi_spec(dra, "uid-1").unlink()
+        dra.api.claims.clear()
+        again = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert devices_of(again, "uid-1") == expected
+        assert json.loads(cdi_spec(dra, "uid-1").read_text()) == spec
+
+        for _ in range(2):
+            gone = await run_blocking(dra.kubelet.unprepare, DRIVER, [("default", "app", "uid-1")])
+            assert gone.claims["uid-1"].error == ""
+            assert not cdi_spec(dra, "uid-1").exists()
+            assert dra.checkpoint() == {}
+        # Ready (registered, slices published), and counted.
+        port = await metrics_port(daemon)
+        assert (await get(port, "/readyz"))[0] == 200
+        samples = await scrape(port)
+        for call in ("prepare", "unprepare"):
+            assert value(samples, "pcc_device_plugin_dra_claims_total", call=call, result="ok") == 2
+        # SIGTERM: both sockets removed, exit 0.
+        assert daemon.terminate(signal.SIGTERM) == 0
+        assert not list(dra.registry.glob("*.sock"))
+        assert not list(dra.state.glob("*.sock"))
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_v1beta1_is_served_to_a_kubelet_that_knows_only_it(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    dra.kubelet.stop()
+    with (
+        trio.fail_after(30),
+        SimDraKubelet(dra.registry, NODE, services=("v1beta1.DRAPlugin",)) as older,
+    ):
+        start_daemon(*dra.daemon_args())
+        await run_blocking(older.wait_for, lambda: bool(older.instances(DRIVER)), WAIT)
+        assert older.instances(DRIVER)[0].service == "v1beta1.DRAPlugin"
+        await published(dra, SHARES)
+        dra.claim("app", "uid-b", device="pcc-0")
+        answer = await run_blocking(older.prepare, DRIVER, [("default", "app", "uid-b")])
+        assert type(answer).__module__.endswith("dra_v1beta1_pb2")
+        assert devices_of(answer, "uid-b") == [(["pcc"], NODE, "pcc-0", [CDI_ID + "uid-b"])]
+
+
+async def test_a_claim_that_cannot_be_prepared_fails_alone(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await published(dra, SHARES)
+        dra.claim("good", "uid-good")
+        dra.api.put_claim("default", "pending", None, uid="uid-pending")
+        dra.claim("recreated", "uid-new")
+        dra.claim("elsewhere", "uid-else", pool="node-b")
+        dra.claim("unknown", "uid-unknown", device="pcc-99")
+        claims = [
+            ("default", "good", "uid-good"),
+            ("default", "pending", "uid-pending"),
+            ("default", "recreated", "uid-old"),
+            ("default", "elsewhere", "uid-else"),
+            ("default", "unknown", "uid-unknown"),
+            ("default", "missing", "uid-missing"),
+        ]
+        answer = await run_blocking(dra.kubelet.prepare, DRIVER, claims)
+        errors = {uid: answer.claims[uid].error for _, _, uid in claims}
+        assert errors == {
+            "uid-good": "",
+            "uid-pending": "the ResourceClaim is not allocated",
+            "uid-old": "the ResourceClaim has UID uid-new, not uid-old: it was deleted and "
+            "created again",
+            "uid-else": f"device pcc-3 is allocated from pool node-b, not from this node's pool "
+            f"{NODE}",
+            "uid-unknown": "device pcc-99 is not one of this node's",
+            "uid-missing": "the ResourceClaim does not exist",
+        }
+        assert set(dra.checkpoint()) == {"uid-good"}
+        assert sorted(path.name for path in dra.cdi.iterdir()) == [f"{DRIVER}-claim_uid-good.json"]
+        assert "Traceback" not in daemon.log_text()
+
+
+MALFORMED = [
+    (b"\x0a\x03\x12\x01", "cannot decode NodePrepareResourcesRequest"),
+    (b"\x0a\x04\x12\x02\xff\xfe", "cannot decode NodePrepareResourcesRequest"),
+    (b"\x0a\x03\x12\x01u", "names a claim without namespace, name or UID"),
+]
+
+
+async def test_malformed_requests_are_invalid_argument(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        for payload, details in MALFORMED:
+            code, message = await run_blocking(dra.kubelet.call_raw, DRIVER, V1_PREPARE, payload)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert details in message
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_devices_withdrawn_while_the_pcc_dir_is_gone_and_back_after(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await published(dra, SHARES, generation=1)
+        pcc_dir = dra.node.pcc_dir
+        pcc_dir.rmdir()
+        await published(dra, [], generation=2)
+        # A claim allocated before cannot be prepared on a gone device; kubelet is told why.
+        dra.claim("late", "uid-late")
+        answer = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "late", "uid-late")])
+        assert answer.claims["uid-late"].error.startswith("device pcc-3 is unhealthy: detect ")
+        pcc_dir.mkdir()
+        await published(dra, SHARES, generation=3)
+
+
+async def test_kubelet_restart_wipes_the_slices_and_the_driver_publishes_them_again(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await published(dra, SHARES, generation=1)
+        await run_blocking(dra.kubelet.restart)
+        # Registered again from the socket kubelet found, slices written again.
+        await registered(dra, count=2)
+        await published(dra, SHARES, generation=2)
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_a_removed_registration_socket_is_served_again(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        (first,) = dra.kubelet.registrations
+        (dra.registry / first.socket).unlink()
+        await registered(dra, count=2)
+        second = dra.kubelet.registrations[-1]
+        assert second.endpoint_served
+        assert (dra.registry / second.socket).is_socket()
+        await run_blocking(daemon.wait_for_log, "serving again", WAIT)
+
+
+def test_claims_are_read_within_the_answer_deadline_within_kubelets() -> None:
+    """Kubelet hears each claim's own error rather than the whole call's deadline."""
+    assert claims.READ_CLAIMS_TIMEOUT < grpc_server.UNARY_TIMEOUT < sim_dra.CALL_TIMEOUT
+
+
+async def test_api_server_unreachable_for_a_while_then_back(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    await outage(dra_node, start_daemon, seconds=1.0)
+
+
+@pytest.mark.slow
+async def test_api_server_unreachable_for_a_minute_then_back(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    await outage(dra_node, start_daemon, seconds=60.0)
+
+
+async def outage(dra: DraNode, start_daemon: StartDaemon, seconds: float) -> None:
+    """The API server goes; kubelet restarts meanwhile (wiping the slices); it comes back."""
+    with trio.fail_after(seconds + 40):
+        daemon = start_daemon(*dra.daemon_args())
+        await published(dra, SHARES, generation=1)
+        dra.api.stop()
+        dra.api.delete_slices(NODE)
+        # Waiting for the daemon to notice: its watch is cut, its next list refused.
+        await run_blocking(daemon.wait_for_log, "ResourceSlices not published", WAIT)
+        await trio.sleep(seconds)  # the outage itself, not a synchronisation
+        dra.api.start()
+        await published(dra, SHARES, generation=2)
+        await run_blocking(daemon.wait_for_log, "The API server answers again", WAIT)
+        assert daemon.proc.poll() is None
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_a_rolling_update_and_a_restarted_driver_unprepare_what_was_prepared(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """Two instances by pod UID (maxSurge): kubelet uses the newest; the old one removes its
+    own sockets on SIGTERM; the new one unprepares what the old one prepared."""
+    dra = dra_node
+    with trio.fail_after(40):
+        old = start_daemon(*dra.daemon_args(), "--pod-uid=0a0a0a0a-1111-2222-3333-444444444444")
+        await registered(dra)
+        await published(dra, SHARES)
+        dra.claim("app", "uid-r")
+        await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-r")])
+        new = start_daemon(*dra.daemon_args(), "--pod-uid=0b0b0b0b-1111-2222-3333-444444444444")
+        await run_blocking(
+            dra.kubelet.wait_for, lambda: len(dra.kubelet.instances(DRIVER)) == 2, WAIT
+        )
+        old_socket, newest = (one.socket for one in dra.kubelet.instances(DRIVER))
+        assert "0a0a0a0a" in old_socket
+        assert "0b0b0b0b" in newest
+        assert old.terminate() == 0
+        assert not (dra.registry / old_socket).exists()
+        assert sorted(path.name for path in dra.state.glob("*.sock")) == [
+            "dra-0b0b0b0b-1111-2222-3333-444444444444.sock"
+        ]
+        await run_blocking(
+            dra.kubelet.wait_for, lambda: len(dra.kubelet.instances(DRIVER)) == 1, WAIT
+        )
+        gone = await run_blocking(dra.kubelet.unprepare, DRIVER, [("default", "app", "uid-r")])
+        assert gone.claims["uid-r"].error == ""
+        assert not cdi_spec(dra, "uid-r").exists()
+        assert dra.checkpoint() == {}
+        await run_blocking(new.wait_for_log, "unprepared", WAIT)
+
+
+@pytest.mark.slow
+async def test_more_shares_than_a_slice_holds_are_split_across_slices_of_one_pool(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        start_daemon(*dra.daemon_args(), "--resource-count=300")
+        await published(dra, [f"pcc-{index}" for index in range(300)], generation=1)
+        pools = [obj["spec"]["pool"] for obj in dra.slices()]
+        assert pools == [{"name": NODE, "generation": 1, "resourceSliceCount": 3}] * 3
+        assert [len(obj["spec"]["devices"]) for obj in dra.slices()] == [128, 128, 44]
+
+
+# Units: the slices, the socket names, the flags
+
+
+def test_desired_slices_withdraw_unhealthy_devices_and_keep_the_pool() -> None:
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 3, "/dev/sev-guest", "/var/run/pcc")
+    pool = slices.Pool(DRIVER, NODE, "node-uid")
+    devices = tuple(Device(f"pcc-{i}", "pcc", spec.device_nodes, "gone") for i in range(3))
+    (empty,) = slices.desired(pool, spec, devices)
+    assert empty["spec"]["devices"] == []
+    assert empty["spec"]["pool"]["resourceSliceCount"] == 1
+    assert empty["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "node-uid"}
+    ]
+
+
+def test_desired_slices_hold_128_devices_each_in_one_pool() -> None:
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 300, "/dev/sev-guest", "/var/run/pcc")
+    pool = slices.Pool(DRIVER, NODE, "node-uid")
+    devices = tuple(Device(f"pcc-{i}", "pcc", spec.device_nodes, None) for i in range(300))
+    wanted = slices.desired(pool, spec, devices)
+    assert [len(obj["spec"]["devices"]) for obj in wanted] == [128, 128, 44]
+    assert {obj["spec"]["pool"]["resourceSliceCount"] for obj in wanted} == {3}
+    assert len({obj["metadata"]["name"] for obj in wanted}) == 3
+    assert [d["name"] for obj in wanted for d in obj["spec"]["devices"]] == [d.id for d in devices]
+
+
+def test_slice_names_fit_kubernetes() -> None:
+    long_node = "n" * 250
+    name = slices.slice_name(slices.Pool(DRIVER, long_node, "u"), 7)
+    assert len(name) <= 253
+    assert name.endswith("-7")
+
+
+def test_socket_names_are_the_pods_own_and_fit_a_unix_socket() -> None:
+    uid = "0a0a0a0a-1111-2222-3333-444444444444"
+    registration, dra = socket_paths(Flags(pod_uid=uid))
+    assert registration == Path(f"/var/lib/kubelet/plugins_registry/{DRIVER}-{uid}-reg.sock")
+    assert dra == Path(f"/var/lib/kubelet/plugins/{DRIVER}/dra-{uid}.sock")
+    long_driver = "d" * 30 + "." + "e" * 30
+    registration, dra = socket_paths(Flags(pod_uid=uid, driver_name=long_driver))
+    assert len(os.fsencode(registration)) <= 107
+    assert re.fullmatch(r"[0-9a-f]{16}-reg\.sock", registration.name)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--mode=dra"], "--node-name: required with --mode=dra"),
+        (["--mode=dra", "--node-name=n", "--cdi"], "--cdi: not used with --mode=dra"),
+        (["--mode=kubevirt"], "--mode: must be device-plugin or dra, got 'kubevirt'"),
+        (
+            ["--mode=dra", "--node-name=n", "--driver-name=PCC"],
+            "--driver-name: must be a lowercase",
+        ),
+        (["--mode=dra", "--node-name=n", "--pod-uid=../x"], "--pod-uid: must be a pod UID"),
+    ],
+)
+def test_dra_usage_errors_are_one_line_exit_2(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        flags.resources(flags.parse(argv, PROG, "", "")[0], PROG)
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"pcc-device-plugin: {expected}")
+
+
+def test_the_config_files_mode_and_the_flag_must_agree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = Path(__file__).parent.parent / "docs" / "examples" / "pcc.yaml"
+    config = tmp_path / "profiles.yaml"
+    config.write_text("mode: dra\n" + profile.read_text())
+    argv = [f"--config={config}", "--mode=device-plugin"]
+    with pytest.raises(SystemExit) as exited:
+        flags.resources(flags.parse(argv, PROG, "", "")[0], PROG)
+    assert exited.value.code == 2
+    assert "--mode: device-plugin disagrees with mode dra in" in capsys.readouterr().err
+    # The file alone chooses the mode.
+    served = flags.resources(
+        flags.parse([f"--config={config}", "--node-name=n"], PROG, "", "")[0], PROG
+    )
+    assert served.mode == "dra"
+
+
+class FlakyApi:
+    """kube.Api's slice calls in memory; refuses connections while `down`."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.attempts = 0
+        self.version = 0
+        self.changed = trio.Event()
+
+    def _answer(self) -> None:
+        self.attempts += 1
+        if self.down:
+            raise httpx.ConnectError("connection refused")
+
+    async def node_uid(self, name: str) -> str:
+        self._answer()
+        return "node-uid"
+
+    async def list_slices(self, fields: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+        self._answer()
+        return [json.loads(json.dumps(obj)) for obj in self.slices.values()], str(self.version)
+
+    async def watch_slices(
+        self, fields: dict[str, Any], version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        self._answer()
+        await self.changed.wait()
+        self._answer()
+        yield "DELETED", {"metadata": {"name": "gone", "resourceVersion": "0"}}
+
+    async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self._answer()
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        self.slices[obj["metadata"]["name"]] = obj
+        return obj
+
+    replace_slice = create_slice
+
+    async def delete_slice(self, name: str) -> None:
+        self._answer()
+        del self.slices[name]
+
+
+async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pure timing, on trio's clock: an API server down for ten minutes is asked about once
+    per RETRY_CAP at most, said to be down once a minute, and published to once it is back."""
+    caplog.set_level(logging.INFO, logger="pcc_plugin.dra.slices")
+    api: Any = FlakyApi()
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 2, "/dev/sev-guest", "/var/run/pcc")
+    devices = tuple(Device(f"pcc-{i}", "pcc", spec.device_nodes, None) for i in range(2))
+    stats = ResourceStats(kubelet_stream_needed=False, registered=True)
+    change = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            slices.publish, api, DRIVER, NODE,
+            lambda pool: slices.desired(pool, spec, devices), lambda: change, stats,
+        )  # fmt: skip
+        await trio.sleep(600)
+        assert "connection refused" in str(stats.not_ready_reason())
+        # Doubling from RETRY_FIRST to RETRY_CAP: a few quick tries, then one per cap at most.
+        assert 600 / slices.RETRY_CAP <= api.attempts <= 600 / (slices.RETRY_CAP / 2) + 8
+        # Once a minute: at the first retry a minute or more after the last report.
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        every = slices.REPORT_EVERY
+        assert 600 / (every + slices.RETRY_CAP) <= len(errors) <= 600 / every + 1
+        api.down = False
+        await trio.sleep(slices.RETRY_CAP)
+        assert stats.not_ready_reason() is None
+        assert [obj["spec"]["pool"]["generation"] for obj in api.slices.values()] == [1]
+        assert "The API server answers again after" in caplog.text
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call(
+    tmp_path: Path, host: Path
+) -> None:
+    """Kubelet hears why for each claim (and retries) instead of an INTERNAL error."""
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 4, "/dev/sev-guest", "/var/run/pcc")
+    plugin = DevicePlugin(spec, str(host), ResourceStats())
+    not_a_directory = tmp_path / "state"
+    not_a_directory.write_text("")
+
+    async def get_claim(namespace: str, name: str) -> dict[str, Any]:
+        raise AssertionError("not reached: the lock comes first")
+
+    preparer = claims.Preparer(
+        DRIVER, NODE, plugin, not_a_directory, tmp_path / "cdi", "owner", get_claim
+    )
+    claim = claims.ClaimRef("default", "app", "uid-1")
+    with trio.fail_after(10):
+        prepared = await preparer.prepare([claim])
+        unprepared = await preparer.unprepare([claim])
+    for answer in (prepared["uid-1"], unprepared["uid-1"]):
+        assert isinstance(answer, str)
+        assert answer.startswith(f"cannot record prepared claims in {not_a_directory}: ")
+    assert plugin.stats.prepares["failed"] == plugin.stats.unprepares["failed"] == 1
+
+
+async def test_missing_credentials_are_one_line_and_exit_1(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    args = [arg for arg in dra_node.daemon_args() if not arg.startswith("--kubeconfig=")]
+    with trio.fail_after(20):
+        daemon = start_daemon(*args, f"--kubeconfig={dra_node.node.root / 'missing'}")
+        assert await run_blocking(daemon.proc.wait, 15) == 1
+    (line,) = [line for line in daemon.log_text().splitlines() if line.startswith("E")]
+    assert line.endswith(
+        f"cannot read API server credentials from --kubeconfig {dra_node.node.root / 'missing'}: "
+        f"Configuration file {dra_node.node.root / 'missing'} not found; give a readable "
+        "kubeconfig file"
+    )
+    assert "Traceback" not in daemon.log_text()
+
+
+def test_docs_quote_the_drivers_own_words() -> None:
+    root = Path(__file__).resolve().parent.parent
+    source = "\n".join(path.read_text() for path in sorted((root / "pcc_plugin").glob("**/*.py")))
+    text = (root / "docs" / "dra.md").read_text()
+    for words in (
+        "cannot read API server credentials from ",
+        "ResourceSlices not published: ",
+        "does not exist: check --node-name",
+        "The API server answers again after ",
+        "Kubelet refused the registration of DRA driver ",
+        "the ResourceClaim is not allocated",
+        "cannot record prepared claims in ",
+    ):
+        assert words in source, f"the driver no longer says {words!r}"
+        assert words in text, f"docs/dra.md does not quote {words!r}"
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(hypothesis.strategies.binary(max_size=300))
+def test_any_bytes_are_claims_or_invalid_argument(data: bytes) -> None:
+    """What reaches NodePrepareResources and NodeUnprepareResources is read strictly: claims
+    with every field, or INVALID_ARGUMENT, never another error."""
+    status = grpclib.const.Status.OK
+    read: list[claims.ClaimRef] = []
+    try:
+        read = dra_service.read_claims(data, "NodePrepareResourcesRequest")
+    except grpclib.exceptions.GRPCError as refused:
+        status = refused.status
+    assert status in (grpclib.const.Status.OK, grpclib.const.Status.INVALID_ARGUMENT)
+    assert all(claim.uid and claim.namespace and claim.name for claim in read)
