@@ -14,9 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import urllib.request
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,26 +36,6 @@ WAIT = 30.0
 IMAGE_ENV = {"PYTHONOPTIMIZE": "2", "PYTHONNODEBUGRANGES": "1"}
 # Every module the daemon may import, compiled before any start (the image has them compiled).
 DAEMON_MODULES = "pcc_plugin.main, pcc_plugin.supervisor, pcc_plugin.http_server, h11"
-
-
-def seconds_to_exit(argv: Sequence[str], env: Mapping[str, str]) -> float:
-    """Wall time of a process from its start to its exit, as a start is timed from `Popen`.
-
-    Waited for without a timeout: with one, 3.11's `Popen.wait` polls in sleeps of up to 50 ms,
-    which would add up to 50 ms to the figure. A timer kills a process that hangs instead.
-    """
-    started = time.monotonic()
-    process = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env})
-    watchdog = threading.Timer(WAIT, process.kill)
-    watchdog.start()
-    try:
-        code = process.wait()
-    finally:
-        watchdog.cancel()
-    took = time.monotonic() - started
-    if code != 0:
-        raise subprocess.CalledProcessError(code, argv)
-    return took
 
 
 def bytecode_env(cache: Path) -> dict[str, str]:
@@ -176,3 +156,17 @@ class Bench:
 def metrics_port(daemon: Daemon) -> int:
     line = daemon.wait_for_log("Serving /metrics, /livez and /readyz on 127.0.0.1 port ", WAIT)
     return int(line.rsplit(" ", 1)[1])
+
+
+def scrape(port: int, path: str = "/metrics") -> bytes:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}{path}", timeout=WAIT) as response:
+        body: bytes = response.read()
+        return body
+
+
+def probed_and_scraped(daemon: Daemon) -> None:
+    """What a node does to the daemon within seconds of its start: a scrape and both probes."""
+    port = metrics_port(daemon)
+    for path in ("/metrics", "/livez", "/readyz"):
+        scrape(port, path)

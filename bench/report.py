@@ -1,4 +1,4 @@
-"""The report: one table of figures, each compared with its target, and the raw figures."""
+"""The report: one table of figures, those with a target marked PASS or MISS; the raw figures."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class Report:
     rows: list[Row | str] = attrs.Factory(list)
     figures: dict[str, Any] = attrs.Factory(dict)
     misses: list[str] = attrs.Factory(list)
+    unmeasured: list[str] = attrs.Factory(list)
 
     def section(self, title: str) -> None:
         self.rows.append(title)
@@ -45,26 +46,17 @@ class Report:
     def add(self, figure: str, value: str) -> None:
         self.rows.append(Row(figure, value))
 
-    def check(
-        self,
-        figure: str,
-        value: str,
-        measured: float,
-        limit: float,
-        unit: str,
-        *,
-        at_least: bool = False,
-    ) -> None:
-        met = measured >= limit if at_least else measured <= limit
+    def check(self, figure: str, value: str, measured: float, limit: float, unit: str) -> None:
+        """A figure with its target: met when `measured` is at most `limit`."""
+        met = measured <= limit
         if not met:
-            self.misses.append(figure)
-        target = f"{'>=' if at_least else '<='} {limit:g} {unit}"
-        self.rows.append(Row(figure, value, target, "PASS" if met else "MISS"))
+            self.misses.append(figure.strip())
+        self.rows.append(Row(figure, value, f"<= {limit:g} {unit}", "PASS" if met else "MISS"))
 
-    def not_measured(self, figure: str, reason: str) -> None:
-        """A target that could not be judged counts as missed."""
-        self.misses.append(figure)
-        self.rows.append(Row(figure, f"not measured: {reason}", "", "MISS"))
+    def not_measured(self, figure: str, reason: str, limit: float, unit: str) -> None:
+        """A target that could not be judged here: neither met nor missed, and said so."""
+        self.unmeasured.append(figure.strip())
+        self.rows.append(Row(figure, f"not measured: {reason}", f"<= {limit:g} {unit}", "-"))
 
     def render(self, header: Sequence[str]) -> str:
         rows = [row for row in self.rows if isinstance(row, Row)]
@@ -92,5 +84,6 @@ class Report:
         out.append(
             f"{passed} of {passed + len(self.misses)} targets met"
             + (f"; missed: {', '.join(self.misses)}" if self.misses else "")
+            + (f"; not measured: {', '.join(self.unmeasured)}" if self.unmeasured else "")
         )
         return "\n".join(out)

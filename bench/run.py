@@ -4,11 +4,11 @@
     python -m bench.run --quick          # fewer repetitions: checks the script, not the daemon
     python -m bench.run --json out.json  # also write the raw figures
 
-Each figure is compared with its target (written for a 2-core machine) and marked PASS or
-MISS; the exit code is 0 either way unless ``--strict`` is given. BENCHMARKS.md records a run.
-The parts: `harness` (the daemon on a fake node, a grpcio client), `procfs` (readings),
-`scenarios` (start, idle, Allocate, restarts, ListAndWatch), `hostile` (Allocate beside
-hostile clients), `imports`, `image` (the daemon from the built image), `report`.
+Each figure with a target (written for a 2-core machine) is marked PASS or MISS; the exit
+code is 0 either way unless ``--strict`` is given. BENCHMARKS.md records runs. The parts:
+`harness` (the daemon on a fake node, a grpcio client), `procfs` (readings), `scenarios` (the
+targets and what is judged against them), `hostile` (hostile clients, peak memory),
+`rollout` (two instances), `image` (the daemon from the built image), `report` (the table).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import hostile, image, imports, rollout, scenarios
+from bench import hostile, rollout, scenarios
 from bench.harness import IMAGE_ENV, Bench, bytecode_env
 from bench.report import Report
 from pcc_plugin.sim import FakeNode, SimKubelet
@@ -54,25 +54,20 @@ def run(args: argparse.Namespace) -> Report:
         env = bytecode_env(node.root / "pycache")
         with contextlib.ExitStack() as cleanup, SimKubelet(node.plugin_dir) as kubelet:
             bench = Bench(node, kubelet, cleanup, report, env)
-            # Judged on the image's daemon when it can be measured: that is what nodes run.
-            judged_here = args.no_image or image.unavailable() is not None
-            scenarios.start_to_registered(bench, 3 if quick else 10, judged=judged_here)
-            imports.import_time_before_registering(bench)
+            scenarios.start_to_registered(bench, 3 if quick else 10)
+            # One daemon from here to the restarts, as one node's runs for weeks.
             daemon = scenarios.idle(bench, 3 if quick else args.idle_seconds)
             endpoint = kubelet.registrations[-1].endpoint
-            scenarios.allocate(bench, daemon.pid, endpoint, 500 if quick else 5000, 50)
-            scenarios.compare_with_grpcio(
-                bench, daemon.pid, endpoint, 500 if quick else 5000, 2 if quick else 5
-            )
+            scenarios.allocate(bench, daemon.pid, endpoint, 500 if quick else 5000,
+                               2 if quick else 5)  # fmt: skip
+            scenarios.under_hostile_loads(bench, daemon, endpoint, 100 if quick else 1000,
+                                          2 if quick else 5)  # fmt: skip
             scenarios.restarts(bench, daemon, 20 if quick else args.restarts)
             bench.stop(daemon)
-            scenarios.list_and_watch(bench, (16, 1000, 10_000), 20, 2 if quick else 5)
-            hostile.under_hostile_clients(bench, 100 if quick else 1000, 2 if quick else 5)
+            scenarios.health_change(bench, (16, 10_000), 2 if quick else 5)
             hostile.peak_memory(bench, 2 if quick else 8)
             rollout.rollouts(bench, 1 if quick else 5)
-            if not args.no_image:
-                image.from_image(bench)
-        imports.import_table(report, 1 if quick else 3, env)
+            scenarios.from_image(bench, 3 if quick else 10, skipped=args.no_image)
     finally:
         node.remove()
     return report

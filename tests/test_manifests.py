@@ -288,7 +288,7 @@ def test_labels(directory: str) -> None:
 @pytest.mark.parametrize("directory", DAEMONS)
 def test_resources(directory: str) -> None:
     resources = plugin_container(daemonset(directory))["resources"]
-    # Sized by `nox -s bench`: about 25 MiB idle, 54 MiB at most with every bounded input at
+    # Sized by `nox -s bench`: about 32 MiB idle, 63 MiB at most with every bounded input at
     # its bound (BENCHMARKS.md), and the doctor's 46 MiB beside it when run in the container.
     assert resources["requests"] == {"cpu": "100m", "memory": "64Mi"}
     # A memory limit, and no CPU limit (throttling multiplies Python's start-up time).

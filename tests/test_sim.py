@@ -10,6 +10,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +26,7 @@ from pcc_plugin.sim import (
     FakeNode,
     NoPluginError,
     PluginOptions,
+    Registration,
     SimKubelet,
     StartDaemon,
     run_blocking,
@@ -45,6 +47,8 @@ class FakePlugin:
     options: pb.DevicePluginOptions
     # When set, GetDevicePluginOptions waits for it: shows whether Register waits for options.
     options_gate: threading.Event | None = None
+    # Set as GetDevicePluginOptions arrives, before it waits for the gate.
+    options_asked: threading.Event = attrs.Factory(threading.Event)
     calls: collections.Counter[str] = attrs.Factory(collections.Counter)
     requests: list[Any] = attrs.Factory(list)
     stream_ended: threading.Event = attrs.Factory(threading.Event)
@@ -106,6 +110,7 @@ class FakePlugin:
 
     def _get_options(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         self._count("GetDevicePluginOptions")
+        self.options_asked.set()
         if self.options_gate is not None:
             self.options_gate.wait(timeout=5)
         return self.options
@@ -227,6 +232,13 @@ def bind_socket(path: Path) -> None:
         listener.bind(str(path))
 
 
+def instants(registration: Registration, *names: str) -> list[float]:
+    """The registration's instants of these names, each of which must have happened."""
+    values = [getattr(registration, name) for name in names]
+    assert None not in values, registration
+    return values
+
+
 async def wait_until(kubelet: SimKubelet, predicate: Callable[[], bool]) -> None:
     """Wait under the caller's fail_after; the thread gives up by itself a little later."""
     await run_blocking(kubelet.wait_for, predicate, 10)
@@ -335,7 +347,9 @@ async def test_failed_dial_fails_register(kubelet: SimKubelet) -> None:
         code, details = await run_blocking(register_error, kubelet, endpoint="absent.sock")
     assert code == grpc.StatusCode.UNKNOWN
     assert details.startswith("failed to dial device plugin")
-    assert not kubelet.registrations[0].accepted
+    [registration] = kubelet.registrations
+    assert not registration.accepted
+    assert (registration.dialled_at, registration.options_at) == (None, None)
 
 
 @pytest.mark.parametrize("kubelet", ["legacy"], indirect=True)
@@ -391,6 +405,36 @@ async def test_legacy_kubelet_answers_register_before_reading_options(
         assert kubelet.registrations[0].options == PluginOptions(True, True)
         await wait_until(kubelet, lambda: kubelet.stream_open(RESOURCE))
     assert kubelet.devices(RESOURCE) == {"w-0": "Healthy"}
+    [registration] = kubelet.registrations
+    answered, dialled, options, first_list = instants(
+        registration, "answered_at", "dialled_at", "options_at", "first_list_at"
+    )
+    # Dialled after answering, the stream opened after the options.
+    assert answered <= dialled <= options <= first_list
+
+
+async def test_a_registration_records_the_dial_the_options_and_the_first_list(
+    kubelet: SimKubelet, plugins: Plugins
+) -> None:
+    gate = threading.Event()
+    with trio.fail_after(5):
+        plugin = plugins.start("widget.sock", ["w-0"], options_gate=gate)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_blocking, plugin.register, kubelet)
+            assert await run_blocking(plugin.options_asked.wait, 5)
+            asked = time.monotonic()
+            gate.set()
+        await wait_until(kubelet, lambda: kubelet.stream_open(RESOURCE))
+        [registration] = kubelet.registrations
+        plugin.send({"w-0": "Unhealthy"})
+        await wait_until(kubelet, lambda: kubelet.messages(RESOURCE) == 2)
+    received, dialled, options, answered, first_list = instants(
+        registration, "received_at", "dialled_at", "options_at", "answered_at", "first_list_at"
+    )
+    # The dial is stamped as it begins and the options as they come back, around the plugin's
+    # wait; the first list after Register was answered, and only the first.
+    assert received <= dialled < asked < options <= answered <= first_list
+    assert kubelet.registrations == [registration]
 
 
 async def test_every_list_replaces_the_previous_one(kubelet: SimKubelet, plugins: Plugins) -> None:

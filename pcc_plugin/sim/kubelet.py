@@ -411,6 +411,8 @@ class SimKubelet:
                 options=options,
                 received_at=received_at,
                 answered_at=time.monotonic(),
+                dialled_at=client.dialled_at if client is not None else None,
+                options_at=client.options_at if client is not None else None,
             )
             self._registrations.append(registration)
             if error is not None:
@@ -423,7 +425,7 @@ class SimKubelet:
                 if self.on_registered is not None:
                     self.on_registered(registration)
                 if client is not None:
-                    self._attach(client)
+                    self._attach(client, len(self._registrations) - 1)
                 else:
                     self._connect_later(request, len(self._registrations) - 1, generation)
         if error is not None:
@@ -457,6 +459,7 @@ class SimKubelet:
         that makes closing the channel take up to 200 ms, and restarts slow with it.
         """
         socket_path = self.plugin_dir / request.endpoint
+        dialled_at = time.monotonic()
         channel = self._dial_now(socket_path)
         reply_future = channel.unary_unary(
             GET_DEVICE_PLUGIN_OPTIONS,
@@ -482,11 +485,15 @@ class SimKubelet:
         finally:
             with self._changed:
                 self._pending_dials.discard(reply_future)
+        options_at = time.monotonic()
         options = PluginOptions(
             pre_start_required=reply.pre_start_required,
             get_preferred_allocation_available=reply.get_preferred_allocation_available,
         )
-        return PluginClient(request.resource_name, request.endpoint, channel), options
+        client = PluginClient(
+            request.resource_name, request.endpoint, channel, dialled_at, options_at
+        )
+        return client, options
 
     @staticmethod
     def _dial_now(socket_path: Path) -> Any:
@@ -510,9 +517,12 @@ class SimKubelet:
             with self._changed:
                 if generation == self._generation:
                     self._registrations[index] = attrs.evolve(
-                        self._registrations[index], options=options
+                        self._registrations[index],
+                        options=options,
+                        dialled_at=client.dialled_at,
+                        options_at=client.options_at,
                     )
-                    self._attach(client)
+                    self._attach(client, index)
                     return
             client.channel.close()
 
@@ -520,8 +530,10 @@ class SimKubelet:
 
     # ListAndWatch
 
-    def _attach(self, client: PluginClient) -> None:
-        """Make ``client`` the active plugin of its resource and start its ListAndWatch stream."""
+    def _attach(self, client: PluginClient, registration: int) -> None:
+        """Make ``client``, of registration number ``registration``, the active plugin of its
+        resource and start its ListAndWatch stream."""
+        client.registration = registration
         self._resources.setdefault(client.resource, ResourceState()).active = client
         self._clients.add(client)
         client.list_and_watch = client.channel.unary_stream(
@@ -550,9 +562,13 @@ class SimKubelet:
         self._stream_ended(client, reason)
 
     def _receive(self, client: PluginClient, response: pb.ListAndWatchResponse) -> None:
+        received_at = time.monotonic()
         with self._changed:
             if not client.streaming:
                 client.streaming = True
+                self._registrations[client.registration] = attrs.evolve(
+                    self._registrations[client.registration], first_list_at=received_at
+                )
                 self._record(
                     f"ListAndWatch stream opened for {client.resource} ({client.endpoint})"
                 )

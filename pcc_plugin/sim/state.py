@@ -34,9 +34,15 @@ class Registration:
     error: str | None
     # Read back from the plugin with GetDevicePluginOptions; None until read, or if it failed.
     options: PluginOptions | None
+    # Instants by time.monotonic(). Register received, and its answer decided: for a current
+    # kubelet, after the dial.
     received_at: float
-    # When the answer was decided (time.monotonic()): for a current kubelet, after the dial.
     answered_at: float = 0.0
+    # Kubelet's dial of the plugin's socket begun, GetDevicePluginOptions answered, the first
+    # ListAndWatch list received; None until they happen (never, if the dial failed).
+    dialled_at: float | None = None
+    options_at: float | None = None
+    first_list_at: float | None = None
 
 
 @attrs.define(eq=False)
@@ -46,6 +52,11 @@ class PluginClient:
     resource: str
     endpoint: str
     channel: Any
+    # When kubelet began dialling the plugin and when its options came back.
+    dialled_at: float
+    options_at: float
+    # The index of its Registration in the simulator's list, once attached.
+    registration: int = -1
     list_and_watch: Any = None
     thread: threading.Thread | None = None
     streaming: bool = False
