@@ -8,6 +8,7 @@ mistakes are INVALID_ARGUMENT, a gone device FAILED_PRECONDITION.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import grpclib.const
@@ -84,7 +85,7 @@ class DevicePluginService:
         except (wire.WireError, wire.TooMany) as exc:
             raise self._allocate_refused(self._unreadable("AllocateRequest", exc)) from None
         try:
-            return encode_allocate_response(self._plugin.allocate(containers))
+            return encode_allocate_response(tuple(self._plugin.allocate(containers)))
         except (RequestError, DeviceUnavailable) as exc:
             raise self._allocate_refused(_refused(exc)) from None
 
@@ -133,8 +134,13 @@ def check_message(data: bytes, schema: wire.Schema, name: str) -> None:
         raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from None
 
 
-def encode_allocate_response(grants: list[Grant]) -> bytes:
-    """An AllocateResponse, one ContainerAllocateResponse per grant."""
+@functools.lru_cache(maxsize=256)
+def encode_allocate_response(grants: tuple[Grant, ...]) -> bytes:
+    """An AllocateResponse, one ContainerAllocateResponse per grant.
+
+    A grant is a pure function of the devices named, and kubelet names one share at a time:
+    each answer is encoded once, as the device list is (betterproto2 takes some 100 µs).
+    """
     return bytes(
         api.AllocateResponse(
             container_responses=[

@@ -36,7 +36,7 @@ def listing(plugin: DevicePlugin) -> pb.ListAndWatchResponse:
 
 
 def allocate(plugin: DevicePlugin, *containers: list[str]) -> pb.AllocateResponse:
-    encoded = encode_allocate_response(plugin.allocate(list(containers)))
+    encoded = encode_allocate_response(tuple(plugin.allocate(list(containers))))
     response: pb.AllocateResponse = pb.AllocateResponse.FromString(encoded)
     return response
 
