@@ -126,7 +126,9 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
             assert gone.claims["uid-1"].error == ""
             assert not cdi_spec(dra, "uid-1").exists()
             assert dra.checkpoint() == {}
-        # Ready (registered, slices published), and counted.
+        # Ready (registered, slices published), and counted. The API server has the slices
+        # before the driver has its answer: ready once it says so.
+        await run_blocking(daemon.wait_for_log, "Published 16 devices", WAIT)
         port = await metrics_port(daemon)
         assert (await get(port, "/readyz"))[0] == 200
         samples = await scrape(port)
@@ -296,7 +298,8 @@ async def outage(dra: DraNode, start_daemon: StartDaemon, seconds: float) -> Non
         await run_blocking(daemon.wait_for_log, "ResourceSlices not published", WAIT)
         await trio.sleep(seconds)  # the outage itself, not a synchronisation
         dra.api.start()
-        await published(dra, SHARES, generation=2)
+        # The driver's next attempt may be a whole backoff away.
+        await published(dra, SHARES, generation=2, within=slices.RETRY_CAP + WAIT)
         await run_blocking(daemon.wait_for_log, "The API server answers again", WAIT)
         assert daemon.proc.poll() is None
         assert "Traceback" not in daemon.log_text()
