@@ -28,6 +28,7 @@ import trio
 import trio.testing
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
 from metrics_support import get, metrics_port, scrape, value
+from raw_clients import closed_by_server, connect
 
 from pcc_plugin import flags, grpc_server
 from pcc_plugin.dra import claims, slices
@@ -250,6 +251,36 @@ async def test_kubelet_restart_wipes_the_slices_and_the_driver_publishes_them_ag
         # Registered again from the socket kubelet found, slices written again.
         await registered(dra, count=2)
         await published(dra, SHARES, generation=2)
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_kubelets_connection_to_the_dra_socket_stays_open_between_calls(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """Kubelet connects to the DRA socket when the driver registers, calls only when a pod
+    needs a claim, and takes a closed connection for the driver gone. On a cluster the daemon
+    closed it after 5 s without a call, and kubelet connected again, every 5 s. A connection
+    that sends nothing is still closed (grpc_server.FIRST_REQUEST_TIMEOUT)."""
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        (instance,) = dra.kubelet.instances(DRIVER)
+
+        def connected() -> bool:
+            return dra.kubelet.connections.get(instance.endpoint, [])[-1:] == [True]
+
+        await run_blocking(dra.kubelet.wait_for, connected, WAIT)
+        # Connected after kubelet's: closed once kubelet's would have been, and said after it.
+        with connect(Path(instance.endpoint)) as silent:
+            assert await run_blocking(closed_by_server, silent)
+        closed = re.findall(r"Closing connection \d+: (.*)", daemon.log_text())
+        assert closed == ["no HTTP/2 preface within 5 s"]
+        dra.claim("app", "uid-1")
+        answer = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert devices_of(answer, "uid-1")
+        history = dra.kubelet.connections[instance.endpoint]
+        assert history[history.index(True) :] == [True], "kubelet's connection was closed"
         assert "Traceback" not in daemon.log_text()
 
 

@@ -4,9 +4,12 @@ Like kubelet's plugin manager, it watches its plugins_registry directory (inotif
 thread) and registers the sockets already there at start: it dials each one, asks GetInfo
 (1 s deadline), checks the answer as kubelet does (type DRAPlugin, a driver name, an
 endpoint, a service it supports: the first of the plugin's list it knows), and says how it
-went with NotifyRegistrationStatus. A socket removed drops its instance. Calls go to the
-newest instance of a driver, with kubelet's 45 s deadline. At start it deletes the node's
-ResourceSlices from the API server, as kubelet does.
+went with NotifyRegistrationStatus. A socket removed drops its instance. As kubelet does since
+1.34, it connects to each accepted instance's DRA socket at once and watches that connection
+(`connections`: whether it was up, each time that changed), a close being to kubelet the driver
+gone; calls open channels of their own. Calls go to the newest instance of a driver, with
+kubelet's 45 s deadline. At start it deletes the node's ResourceSlices from the API server, as
+kubelet does.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ class SimDraKubelet:
         self.registrations: list[DraRegistration] = []
         # Accepted instances by registration socket name, newest last.
         self._instances: dict[str, DraRegistration] = {}
+        # By DRA socket: whether kubelet's connection to it is up, each time that changed.
+        self.connections: dict[str, list[bool]] = {}
+        self._channels: dict[str, grpc.Channel] = {}
         self._thread: threading.Thread | None = None
         self._stop_write: int | None = None
 
@@ -107,7 +113,10 @@ class SimDraKubelet:
         self._stop_write = None
         with self._changed:
             self._instances.clear()
+            channels, self._channels = self._channels, {}
             self._changed.notify_all()
+        for channel in channels.values():
+            channel.close()
 
     def restart(self) -> None:
         self.stop()
@@ -212,12 +221,38 @@ class SimDraKubelet:
             else:
                 log.info("refused DRA plugin %s: %s", name, registration.error)
             self._changed.notify_all()
+        if registration.error is None:
+            self._connect(registration.endpoint)
 
     def _vanished(self, name: str) -> None:
+        channel = None
         with self._changed:
-            if self._instances.pop(name, None) is not None:
+            instance = self._instances.pop(name, None)
+            if instance is not None:
                 log.info("deregistered the DRA plugin of %s", name)
+                channel = self._channels.pop(instance.endpoint, None)
                 self._changed.notify_all()
+        if channel is not None:
+            channel.close()
+
+    def _connect(self, endpoint: str) -> None:
+        """Kubelet's connection to a registered DRA socket, watched."""
+
+        def changed(state: grpc.ChannelConnectivity) -> None:
+            up = state == grpc.ChannelConnectivity.READY
+            with self._changed:
+                history = self.connections.setdefault(endpoint, [])
+                if history[-1:] != [up]:
+                    history.append(up)
+                    self._changed.notify_all()
+
+        channel = grpc.insecure_channel(f"unix:{endpoint}")
+        with self._changed:
+            old = self._channels.pop(endpoint, None)
+            self._channels[endpoint] = channel
+        if old is not None:
+            old.close()
+        channel.subscribe(changed, try_to_connect=True)
 
     def _register(self, path: Path) -> DraRegistration:
         with grpc.insecure_channel(f"unix:{path}") as channel:
