@@ -2,8 +2,8 @@
 (grpcio) and the fake API server (both in pcc_plugin/sim).
 
 What a cluster adds (the scheduler allocating from the slices, the extended-resource path,
-containerd reading the CDI specs) is left to `nox -s cluster`; docs/dra.md says what it must
-still show.
+containerd reading the CDI specs, the admission policy) is `nox -s cluster`'s check 8
+(tools/e2e/cluster_dra.py); docs/dra.md says what each shows.
 """
 
 from __future__ import annotations
