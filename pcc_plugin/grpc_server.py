@@ -13,6 +13,8 @@ Limits (README, "Limits"), each against one way a neighbour can hurt us:
 - `MAX_CONNECTIONS` at once (pcc_plugin/connection_cap.py says which one makes room).
 - A connection must send the HTTP/2 preface and a first call within `FIRST_REQUEST_TIMEOUT`,
   and is closed after `IDLE_TIMEOUT` without one (kubelet's always has its ListAndWatch).
+  A server for a client that holds its connection open between calls (`idle_client`: kubelet
+  on a DRA socket) asks only for the preface in that time, and never closes for idleness.
 - `MAX_STREAMS_PER_CONNECTION` calls served at once on one connection; more are refused
   with RESOURCE_EXHAUSTED (and h2 closes a connection that opens more than 100 streams).
 - A message may have at most `MAX_MESSAGE_BYTES` (gRPC's and kubelet's default); a larger
@@ -69,6 +71,8 @@ LARGE_MESSAGE_BUDGET = 8 * 1024 * 1024
 RECEIVE_TIMEOUT = 10.0
 UNARY_TIMEOUT = 30.0
 BACKLOG = 64
+# What every HTTP/2 client sends first (RFC 9113, 3.4).
+PREFACE_BYTES = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
 # A socket bound but not yet renamed into place: `.<8 hex>.new.sock`.
 STAGED_SUFFIX = ".new.sock"
 TEARDOWN_GRACE = 1.0
@@ -177,6 +181,7 @@ class Connection:
     def __init__(self) -> None:
         self.number = next(self._numbers)
         self.requests = 0
+        self.received = 0
         self.last_active = trio.current_time()
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -191,6 +196,11 @@ class Connection:
         return self.requests > 0
 
     @property
+    def greeted(self) -> bool:
+        """Whether it sent the HTTP/2 preface (a wrong one, grpclib closes the connection on)."""
+        return self.received >= PREFACE_BYTES
+
+    @property
     def open_calls(self) -> int:
         return len(self._calls)
 
@@ -203,6 +213,12 @@ class Connection:
         self._changed = trio.Event()
 
     # asyncio's side
+
+    def data_received(self, size: int) -> None:
+        greeted = self.greeted
+        self.received += size
+        if self.greeted and not greeted:
+            self._notify()
 
     def call_began(self, task: asyncio.Task[Any]) -> None:
         self.requests += 1
@@ -252,6 +268,7 @@ class _Observed(asyncio.Protocol):
             transport.abort()  # evicted while it was being set up
 
     def data_received(self, data: bytes) -> None:
+        self._connection.data_received(len(data))
         token = CONNECTION.set(self._connection)
         try:
             self._grpc.data_received(data)
@@ -313,17 +330,26 @@ OnError = Callable[[str, BaseException], None]
 
 
 class Server:
-    """Serves `methods` (path -> MethodSpec) on a listening unix socket."""
+    """Serves `methods` (path -> MethodSpec) on a listening unix socket.
+
+    `idle_client`: the client connects and then may call nothing for long (kubelet dials a
+    DRA socket when the driver registers, calls only when a pod needs a claim, and takes the
+    connection's close for the driver going away); its connection is kept open from the
+    HTTP/2 preface on.
+    """
 
     def __init__(
         self,
         methods: Mapping[str, MethodSpec],
         on_error: OnError,
         on_close: Callable[[Connection], None] = lambda _: None,
+        *,
+        idle_client: bool = False,
     ) -> None:
         self.methods = methods
         self.on_error = on_error
         self.on_close = on_close
+        self.idle_client = idle_client
         self.budget = LargeMessageBudget()
         self.cap: ConnectionCap[Connection] = ConnectionCap(MAX_CONNECTIONS, "connections", log)
         self._grpc: grpclib.server.Server | None = None
@@ -393,13 +419,22 @@ class Server:
 
     async def _watch(self, connection: Connection) -> None:
         """Until the connection closes, or must be closed for silence or idleness."""
+
+        def started() -> bool:
+            return connection.greeted if self.idle_client else connection.requests > 0
+
         with trio.move_on_after(FIRST_REQUEST_TIMEOUT):
-            while not connection.requests and not connection.closed:
+            while not started() and not connection.closed:
                 await connection.changed()
-        if not connection.requests:
+        if not started():
             if not connection.closed:
-                log.log(V1, "Closing %s: no request within %g s", connection,
+                log.log(V1, "Closing %s: no %s within %g s", connection,
+                        "HTTP/2 preface" if self.idle_client else "request",
                         FIRST_REQUEST_TIMEOUT)  # fmt: skip
+            return
+        if self.idle_client:
+            while not connection.closed:
+                await connection.changed()
             return
         while not connection.closed:
             if connection.open_calls:

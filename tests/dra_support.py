@@ -61,7 +61,9 @@ class DraNode:
         self.api.put_claim("default", name, [result], uid=uid)
 
 
-async def published(dra: DraNode, devices: list[str], generation: int | None = None) -> None:
+async def published(
+    dra: DraNode, devices: list[str], generation: int | None = None, within: float = WAIT
+) -> None:
     """Until the node's slices list exactly `devices` (at that pool generation, if given)."""
 
     def done() -> bool:
@@ -72,7 +74,7 @@ async def published(dra: DraNode, devices: list[str], generation: int | None = N
             and (generation is None or slices[0]["spec"]["pool"]["generation"] == generation)
         )
 
-    await run_blocking(dra.api.wait_for, done, WAIT)
+    await run_blocking(dra.api.wait_for, done, within)
 
 
 async def registered(dra: DraNode, count: int = 1) -> None:

@@ -151,6 +151,27 @@ def _read_events(
     return None
 
 
+def connect(path: Path) -> socket.socket:
+    """A unix socket connection that sends nothing by itself."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Read until the server closes the connection (its SETTINGS frames come first); False if
+    it is still open after the socket's timeout."""
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
 def http_get(host: str, port: int, request: bytes, timeout: float = 10.0) -> bytes:
     """Send raw bytes to an HTTP port; everything it answers until it closes."""
     with socket.create_connection((host, port), timeout=timeout) as sock:

@@ -2,8 +2,8 @@
 (grpcio) and the fake API server (both in pcc_plugin/sim).
 
 What a cluster adds (the scheduler allocating from the slices, the extended-resource path,
-containerd reading the CDI specs) is left to `nox -s cluster`; docs/dra.md says what it must
-still show.
+containerd reading the CDI specs, the admission policy) is `nox -s cluster`'s check 8
+(tools/e2e/cluster_dra.py); docs/dra.md says what each shows.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import trio
 import trio.testing
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
 from metrics_support import get, metrics_port, scrape, value
+from raw_clients import closed_by_server, connect
 
 from pcc_plugin import flags, grpc_server
 from pcc_plugin.dra import claims, slices
@@ -126,7 +127,9 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
             assert gone.claims["uid-1"].error == ""
             assert not cdi_spec(dra, "uid-1").exists()
             assert dra.checkpoint() == {}
-        # Ready (registered, slices published), and counted.
+        # Ready (registered, slices published), and counted. The API server has the slices
+        # before the driver has its answer: ready once it says so.
+        await run_blocking(daemon.wait_for_log, "Published 16 devices", WAIT)
         port = await metrics_port(daemon)
         assert (await get(port, "/readyz"))[0] == 200
         samples = await scrape(port)
@@ -251,6 +254,36 @@ async def test_kubelet_restart_wipes_the_slices_and_the_driver_publishes_them_ag
         assert "Traceback" not in daemon.log_text()
 
 
+async def test_kubelets_connection_to_the_dra_socket_stays_open_between_calls(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """Kubelet connects to the DRA socket when the driver registers, calls only when a pod
+    needs a claim, and takes a closed connection for the driver gone. On a cluster the daemon
+    closed it after 5 s without a call, and kubelet connected again, every 5 s. A connection
+    that sends nothing is still closed (grpc_server.FIRST_REQUEST_TIMEOUT)."""
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        (instance,) = dra.kubelet.instances(DRIVER)
+
+        def connected() -> bool:
+            return dra.kubelet.connections.get(instance.endpoint, [])[-1:] == [True]
+
+        await run_blocking(dra.kubelet.wait_for, connected, WAIT)
+        # Connected after kubelet's: closed once kubelet's would have been, and said after it.
+        with connect(Path(instance.endpoint)) as silent:
+            assert await run_blocking(closed_by_server, silent)
+        closed = re.findall(r"Closing connection \d+: (.*)", daemon.log_text())
+        assert closed == ["no HTTP/2 preface within 5 s"]
+        dra.claim("app", "uid-1")
+        answer = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert devices_of(answer, "uid-1")
+        history = dra.kubelet.connections[instance.endpoint]
+        assert history[history.index(True) :] == [True], "kubelet's connection was closed"
+        assert "Traceback" not in daemon.log_text()
+
+
 async def test_a_removed_registration_socket_is_served_again(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
@@ -296,7 +329,8 @@ async def outage(dra: DraNode, start_daemon: StartDaemon, seconds: float) -> Non
         await run_blocking(daemon.wait_for_log, "ResourceSlices not published", WAIT)
         await trio.sleep(seconds)  # the outage itself, not a synchronisation
         dra.api.start()
-        await published(dra, SHARES, generation=2)
+        # The driver's next attempt may be a whole backoff away.
+        await published(dra, SHARES, generation=2, within=slices.RETRY_CAP + WAIT)
         await run_blocking(daemon.wait_for_log, "The API server answers again", WAIT)
         assert daemon.proc.poll() is None
         assert "Traceback" not in daemon.log_text()

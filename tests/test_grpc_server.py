@@ -26,7 +26,7 @@ import h2.settings
 import hyperframe.frame
 import pytest
 import trio
-from raw_clients import call, grpc_frame, request_headers
+from raw_clients import call, closed_by_server, connect, grpc_frame, request_headers
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin.flags import Flags
@@ -50,12 +50,15 @@ def socket_path() -> Iterator[Path]:
 
 @asynccontextmanager
 async def serving(
-    socket_path: Path, host_root: str = "", stats: ResourceStats | None = None
+    socket_path: Path,
+    host_root: str = "",
+    stats: ResourceStats | None = None,
+    idle_client: bool = False,
 ) -> AsyncIterator[grpc_server.Server]:
     """The PCC resource's service on `socket_path`, until the block ends (then torn down)."""
     plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceStats())
     service = DevicePluginService(plugin, KubeletLink(plugin.stats))
-    server = grpc_server.Server(service.methods(), service.on_error)
+    server = grpc_server.Server(service.methods(), service.on_error, idle_client=idle_client)
     async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
         listener, own = grpc_server.bind(socket_path)
         await nursery.start(grpc_server.serve, server, listener, socket_path, own)
@@ -124,25 +127,6 @@ async def test_teardown_leaves_a_socket_someone_else_replaced(socket_path: Path)
     assert socket_path.read_text() == "someone else's"
 
 
-def connect(path: Path) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(str(path))
-    return sock
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """Read until the server closes the connection (its SETTINGS frames come first)."""
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
-
-
 async def test_a_silent_connection_is_closed_after_the_first_request_timeout(
     socket_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -176,6 +160,34 @@ async def test_a_connection_without_streams_is_closed_when_idle(
             )
             assert await trio.to_thread.run_sync(ended.get) == grpc.ChannelConnectivity.IDLE
             channel.close()
+
+
+async def test_an_idle_client_keeps_its_connection_from_the_preface_on(
+    socket_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kubelet dials a DRA socket when the driver registers and calls only when a pod needs a
+    claim; a close is to kubelet the driver going away. On a real cluster the DRA socket
+    closed kubelet's connection after 5 s without a call, and kubelet dialled again, every
+    5 s. A connection that never sends the HTTP/2 preface is still closed."""
+    monkeypatch.setattr(grpc_server, "FIRST_REQUEST_TIMEOUT", 0.2)
+    monkeypatch.setattr(grpc_server, "IDLE_TIMEOUT", 0.2)
+    with trio.fail_after(10):
+        async with serving(socket_path, idle_client=True) as server:
+            states: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
+            kubelet = grpc.insecure_channel(f"unix://{socket_path}")
+            kubelet.subscribe(states.put, try_to_connect=True)
+            while await run_blocking(states.get, timeout=5) != grpc.ChannelConnectivity.READY:
+                pass
+            # Connected after kubelet: its deadline comes later, and it has no preface.
+            with connect(socket_path) as silent:
+                assert await run_blocking(closed_by_server, silent)
+            (kept,) = server.connections
+            assert states.empty(), "kubelet's connection changed state"
+            options = kubelet.unary_unary("/v1beta1.DevicePlugin/GetDevicePluginOptions")
+            await run_blocking(options, b"", timeout=5)
+            assert server.connections == [kept]
+            assert kept.requests == 1
+            kubelet.close()
 
 
 async def test_at_the_connection_limit_the_oldest_silent_one_makes_room(

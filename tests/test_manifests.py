@@ -797,6 +797,9 @@ def test_dra_api_access_is_what_the_driver_needs(directory: str) -> None:
     assert f'"{SERVICE_ACCOUNT_USER}"' in condition["expression"]
     assert "authentication.kubernetes.io/node-name" in str(policy["spec"]["variables"])
     assert policy["spec"]["failurePolicy"] == "Fail"
+    # A refusal is 403 Forbidden, as docs/dra.md's troubleshooting says (the API server's
+    # default for a policy is 422 Invalid, which the cluster showed).
+    assert [v.get("reason") for v in policy["spec"]["validations"]] == ["Forbidden"] * 2
     policy_binding = the(objects, "ValidatingAdmissionPolicyBinding")
     assert policy_binding["spec"] == {
         "policyName": policy["metadata"]["name"],

@@ -155,7 +155,7 @@ async def serve_generation(config: Flags, plugin: DevicePlugin, preparer: Prepar
     OSError when a socket cannot be served (each is removed again as it closes)."""
     registration_path, dra_path = socket_paths(config)
     report = on_error(plugin.stats)
-    dra_server = grpc_server.Server(DraService(preparer).methods(), report)
+    dra_server = grpc_server.Server(DraService(preparer).methods(), report, idle_client=True)
     registration = RegistrationService(config.driver_name, str(dra_path), plugin.stats)
     registration_server = grpc_server.Server(registration.methods(), report)
     reason = "cancelled"

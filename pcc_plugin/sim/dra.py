@@ -4,13 +4,18 @@ Like kubelet's plugin manager, it watches its plugins_registry directory (inotif
 thread) and registers the sockets already there at start: it dials each one, asks GetInfo
 (1 s deadline), checks the answer as kubelet does (type DRAPlugin, a driver name, an
 endpoint, a service it supports: the first of the plugin's list it knows), and says how it
-went with NotifyRegistrationStatus. A socket removed drops its instance. Calls go to the
-newest instance of a driver, with kubelet's 45 s deadline. At start it deletes the node's
-ResourceSlices from the API server, as kubelet does.
+went with NotifyRegistrationStatus. A socket removed drops its instance. As kubelet does since
+1.34, it connects to each accepted instance's DRA socket at once and holds that connection,
+idle, watching it (`connections`: whether it was up, each time that changed), a close being to
+kubelet the driver gone; it is plain HTTP/2 (h2), which this module controls whole, and calls
+open grpcio channels of their own. Calls go to the newest instance of a driver, with kubelet's
+45 s deadline. At start it deletes the node's ResourceSlices from the API server, as kubelet
+does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -22,6 +27,10 @@ from typing import Any
 
 import attrs
 import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
 from asyncinotify import InitFlags, Inotify, Mask
 
 from pcc_plugin.inotify import pending_events
@@ -78,6 +87,9 @@ class SimDraKubelet:
         self.registrations: list[DraRegistration] = []
         # Accepted instances by registration socket name, newest last.
         self._instances: dict[str, DraRegistration] = {}
+        # By DRA socket: whether kubelet's connection to it is up, each time that changed.
+        self.connections: dict[str, list[bool]] = {}
+        self._held: dict[str, HeldConnection] = {}
         self._thread: threading.Thread | None = None
         self._stop_write: int | None = None
 
@@ -107,7 +119,10 @@ class SimDraKubelet:
         self._stop_write = None
         with self._changed:
             self._instances.clear()
+            held, self._held = self._held, {}
             self._changed.notify_all()
+        for connection in held.values():
+            connection.close()
 
     def restart(self) -> None:
         self.stop()
@@ -212,12 +227,36 @@ class SimDraKubelet:
             else:
                 log.info("refused DRA plugin %s: %s", name, registration.error)
             self._changed.notify_all()
+        if registration.error is None:
+            self._connect(registration.endpoint)
 
     def _vanished(self, name: str) -> None:
+        held = None
         with self._changed:
-            if self._instances.pop(name, None) is not None:
+            instance = self._instances.pop(name, None)
+            if instance is not None:
                 log.info("deregistered the DRA plugin of %s", name)
+                held = self._held.pop(instance.endpoint, None)
                 self._changed.notify_all()
+        if held is not None:
+            held.close()
+
+    def _connect(self, endpoint: str) -> None:
+        """Kubelet's connection to a registered DRA socket, held and watched."""
+
+        def changed(up: bool) -> None:
+            with self._changed:
+                history = self.connections.setdefault(endpoint, [])
+                if history[-1:] != [up]:
+                    history.append(up)
+                    self._changed.notify_all()
+
+        connection = HeldConnection(endpoint, changed)
+        with self._changed:
+            old = self._held.pop(endpoint, None)
+            self._held[endpoint] = connection
+        if old is not None:
+            old.close()
 
     def _register(self, path: Path) -> DraRegistration:
         with grpc.insecure_channel(f"unix:{path}") as channel:
@@ -248,6 +287,44 @@ class SimDraKubelet:
         return DraRegistration(
             path.name, info.name, endpoint, service, tuple(info.supported_versions), served, error
         )
+
+
+class HeldConnection:
+    """An HTTP/2 connection that says nothing once set up, as kubelet's to a DRA socket between
+    claims. `changed(True)` once the server's SETTINGS arrive, `changed(False)` when the server
+    closes it (or it cannot be made); closing it here says nothing."""
+
+    def __init__(self, endpoint: str, changed: Callable[[bool], None]) -> None:
+        self._changed = changed
+        self._closing = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._thread = threading.Thread(
+            target=self._run, args=(endpoint,), name="sim-dra-held", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+    def _run(self, endpoint: str) -> None:
+        http2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        try:
+            self._sock.connect(endpoint)
+            http2.initiate_connection()
+            self._sock.sendall(http2.data_to_send())
+            while data := self._sock.recv(65536):
+                events = http2.receive_data(data)
+                self._sock.sendall(http2.data_to_send())  # acknowledgements
+                if any(isinstance(event, h2.events.RemoteSettingsChanged) for event in events):
+                    self._changed(True)
+        except (OSError, h2.exceptions.ProtocolError):
+            pass
+        if not self._closing:
+            self._changed(False)
 
 
 def _validate(info: Any, services: tuple[str, ...]) -> str | None:

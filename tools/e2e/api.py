@@ -1,10 +1,11 @@
 """What the checks read from kubelet: its pod-resources gRPC API and its HTTPS API.
 
-Pod resources: our own client of ``v1.PodResourcesLister`` on
-``/var/lib/kubelet/pod-resources/kubelet.sock`` (grpcio, messages from ``podresources.proto``),
-calling methods by their gRPC paths. Each call opens a fresh channel: a kubelet restart replaces
-the socket, and a kept channel would reconnect with grpc's backoff, which would count in the
-figures. Kubelet offers no watch there, so the checks poll it (poll.wait_for).
+Pod resources: our own client of ``v1.PodResourcesLister`` (the devices of device plugins and
+of DRA drivers) on ``/var/lib/kubelet/pod-resources/kubelet.sock`` (grpcio, messages from
+``podresources.proto``), calling methods by their gRPC paths. Each call opens a fresh channel:
+a kubelet restart replaces the socket, and a kept channel would reconnect with grpc's backoff,
+which would count in the figures. Kubelet offers no watch there, so the checks poll it
+(poll.wait_for).
 
 HTTPS (port 10250, anonymous and AlwaysAllow): ``/pods`` lists the static pods with the status
 kubelet keeps for them (there is no API server); ``/run/<namespace>/<pod>/<container>?cmd=``
@@ -113,17 +114,41 @@ async def sampling_allocatable(
             stop.set()
 
 
-async def assigned(resource: str) -> dict[tuple[str, str, str], list[str]]:
-    """(namespace, pod name, container) -> device IDs of `resource` that kubelet assigned."""
+async def _containers() -> list[tuple[str, str, Any]]:
+    """Kubelet's List: (namespace, pod name, container's resources) of every container."""
     response = await _blocking(_call, LIST, pb.ListPodResourcesRequest(),
                                pb.ListPodResourcesResponse)  # fmt: skip
+    return [
+        (pod.namespace, pod.name, container)
+        for pod in response.pod_resources
+        for container in pod.containers
+    ]
+
+
+async def assigned(resource: str) -> dict[tuple[str, str, str], list[str]]:
+    """(namespace, pod name, container) -> device IDs of `resource` that kubelet assigned."""
     found = {}
-    for pod in response.pod_resources:
-        for container in pod.containers:
-            ids = sorted(i for d in container.devices if d.resource_name == resource
-                         for i in d.device_ids)  # fmt: skip
-            if ids:
-                found[pod.namespace, pod.name, container.name] = ids
+    for namespace, pod, container in await _containers():
+        ids = sorted(i for d in container.devices if d.resource_name == resource
+                     for i in d.device_ids)  # fmt: skip
+        if ids:
+            found[namespace, pod, container.name] = ids
+    return found
+
+
+async def claimed(driver: str) -> dict[tuple[str, str, str], list[tuple[str, list[str]]]]:
+    """(namespace, pod name, container) -> (device, its CDI devices) of each of `driver`'s
+    devices in the container's ResourceClaims, as kubelet prepared them (DRA)."""
+    found = {}
+    for namespace, pod, container in await _containers():
+        devices = sorted(
+            (resource.device_name, [cdi.name for cdi in resource.cdi_devices])
+            for claim in container.dynamic_resources
+            for resource in claim.claim_resources
+            if resource.driver_name == driver
+        )
+        if devices:
+            found[namespace, pod, container.name] = devices
     return found
 
 

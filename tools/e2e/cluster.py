@@ -31,7 +31,10 @@ with the time since the start, and figures:
 6. kubelet restarted three times with consumers running: they keep their containers and devices,
    allocatable is back within a second of kubelet's device plugin registration server; the
    plugin's pod deleted: the DaemonSet makes a new one, registered again;
-7. ``kubectl delete -k manifests/base``: the plugin's pod gone, 0 allocatable.
+7. ``kubectl delete -k manifests/base``: the plugin's pod gone, 0 allocatable;
+8. the DRA mode on the same cluster (cluster_dra.py): ``manifests/overlays/dra`` applied, claims
+   served, the extended resource served by the driver, the device withdrawn and back, kubelet
+   and the driver restarted with claims prepared, the admission policy with real tokens.
 """
 
 from __future__ import annotations
@@ -251,6 +254,19 @@ class Cluster:
 
         return await self.pods.until(f"{CONSUMERS}/{name} running", found, within)
 
+    async def scheduler_event(self, name: str) -> Obj:
+        """The scheduler's FailedScheduling event for the consumer `name`."""
+        path = f"/api/v1/namespaces/{CONSUMERS}/events?fieldSelector=involvedObject.name={name}"
+
+        async def failed() -> Obj | None:
+            events = (await self.server.get(path))["items"]
+            return next((e for e in events if e["reason"] == "FailedScheduling"), None)
+
+        event, _ = await wait_for(f"{name}: the scheduler's event", failed, 60)
+        reporter = event.get("reportingComponent") or event.get("source", {}).get("component")
+        expect(reporter == "default-scheduler", f"{name}: {event}")
+        return event
+
     async def check_in_consumer(self, pod: Obj) -> None:
         """/dev/sev-guest and /var/run/pcc inside `pod`, as scenario.py checks them."""
         name = pod["metadata"]["name"]
@@ -401,20 +417,8 @@ class Cluster:
         expect(len(held) == SHARES and len(devices) == SHARES, f"pod-resources: {held}")
         self.report.check(f"{SHARES} consumers run, holding {SHARES} distinct devices")
 
-        name = pending["metadata"]["name"]
-        path = f"/api/v1/namespaces/{CONSUMERS}/events?fieldSelector=involvedObject.name={name}"
-
-        async def insufficient() -> Obj | None:
-            events = (await self.server.get(path))["items"]
-            return next((e for e in events if e["reason"] == "FailedScheduling"), None)
-
-        event, _ = await wait_for(f"{name}: the scheduler's event", insufficient, 60)
-        expect(
-            f"Insufficient {RESOURCE}" in event["message"]
-            and event.get("reportingComponent", event.get("source", {}).get("component"))
-            == "default-scheduler",
-            f"{name}: {event}",
-        )
+        event = await self.scheduler_event(pending["metadata"]["name"])
+        expect(f"Insufficient {RESOURCE}" in event["message"], f"{event}")
         self.report.check(f"the 17th consumer is Pending: {event['message']}")
 
         limiter = trio.CapacityLimiter(4)
@@ -805,6 +809,7 @@ async def administer(cluster: kube.Api) -> None:
 async def run(
     node: Node, control_plane: ControlPlane, report: Report, plugin_reference: str
 ) -> None:
+    from . import cluster_dra
     from .harness import start_kubelet
 
     report.variant = report.column = "cluster"
@@ -818,6 +823,8 @@ async def run(
             ("pods", "/api/v1/pods"),
             ("nodes", "/api/v1/nodes"),
             ("daemonsets", f"/apis/apps/v1/namespaces/{SYSTEM}/daemonsets"),
+            ("slices", "/apis/resource.k8s.io/v1/resourceslices"),
+            ("claims", "/apis/resource.k8s.io/v1/resourceclaims"),
         )
     }
     async with trio.open_nursery() as nursery:
@@ -853,4 +860,5 @@ async def run(
         await cluster.observability()
         await cluster.kubelet_restarts()
         await cluster.uninstall()
+        await cluster_dra.run(cluster, watches["slices"], watches["claims"])
         nursery.cancel_scope.cancel()

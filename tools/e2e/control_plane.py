@@ -1,7 +1,7 @@
 """A one-node control plane for ``nox -s cluster``, in the node's namespaces (node.py).
 
 etcd on the namespace's loopback as the API server's store; kube-apiserver on the node's address
-(``192.0.2.1:6443``); kube-controller-manager and kube-scheduler; each a :class:`node.Daemon`
+(``192.0.2.1:443``); kube-controller-manager and kube-scheduler; each a :class:`node.Daemon`
 with its log in the logs directory. What a real cluster has, and the sessions need:
 
 - certificates and keys made now by ``openssl`` (EC P-256, valid for a day), one CA for all:
@@ -13,7 +13,12 @@ with its log in the logs directory. What a real cluster has, and the sessions ne
   namespace that does not say otherwise (admission.yaml), so the plugin's privileged pod is
   admitted only because kube-system is labelled ``privileged`` (cluster.py does that, as an
   administrator of such a cluster would);
-- ``--allow-privileged``: the plugin's base pod is privileged.
+- ``--allow-privileged``: the plugin's base pod is privileged;
+- the ``kubernetes`` Service's address, where in-cluster clients (the DRA driver) find the API
+  server: there is no kube-proxy, so the address (``SERVICE_IP``) is put on the node's loopback
+  and the API server serves on the Service's port, 443, on every address: a pod's connection to
+  ``KUBERNETES_SERVICE_HOST:KUBERNETES_SERVICE_PORT`` reaches it through the pods' bridge as
+  kube-proxy's rule would send it.
 
 The API server's own checks (``/readyz``, the components' ``/healthz``) tell when each is up.
 """
@@ -33,7 +38,8 @@ import trio
 from .node import NODE_IP, NODE_NAME, Daemon
 from .poll import Unavailable, wait_for
 
-API_PORT = 6443
+# The `kubernetes` Service's port: see the docstring.
+API_PORT = 443
 API_SERVER = f"https://{NODE_IP}:{API_PORT}"
 ETCD = "http://127.0.0.1:2379"
 SERVICE_CIDR = "10.96.0.0/16"
@@ -266,6 +272,7 @@ class ControlPlane:
             scheduler.name: (f"https://127.0.0.1:{SCHEDULER_PORT}/healthz", None),
         }
         took = {}
+        await trio.run_process(["ip", "address", "add", f"{SERVICE_IP}/32", "dev", "lo"])
         await etcd.start()
         for daemon in self.daemons[1:]:
             await daemon.start()

@@ -36,9 +36,15 @@ WATCH_SECONDS = 3600
 class Api:
     control_plane: ControlPlane
     opener: urllib.request.OpenerDirector = attrs.field(init=False)
+    # Without the administrator's certificate: for requests with a token of their own.
+    token_opener: urllib.request.OpenerDirector = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         pki = self.control_plane.pki
+        context = ssl.create_default_context(cafile=str(pki.ca.certificate))
+        self.token_opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+        )
         context = ssl.create_default_context(cafile=str(pki.ca.certificate))
         credential = self.control_plane.admin_credential
         context.load_cert_chain(str(credential.certificate), str(credential.key))
@@ -46,15 +52,19 @@ class Api:
             urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
         )
 
-    def _call(self, method: str, path: str, body: Obj | None) -> Obj:
+    def _call(self, method: str, path: str, body: Obj | None, token: str | None) -> Obj:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
         request = urllib.request.Request(
             f"{API_SERVER}{path}",
             method=method,
             data=None if body is None else json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers=headers,
         )
+        opener = self.opener if token is None else self.token_opener
         try:
-            with self.opener.open(request, timeout=CALL_TIMEOUT) as answer:
+            with opener.open(request, timeout=CALL_TIMEOUT) as answer:
                 found: Obj = json.load(answer)
                 return found
         except urllib.error.HTTPError as error:
@@ -63,11 +73,14 @@ class Api:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
             raise Unavailable(f"{method} {path}: {error}") from None
 
-    async def call(self, method: str, path: str, body: Obj | None = None) -> Obj:
-        """The API server's answer to `method` on `path` (with `body` as JSON)."""
+    async def call(
+        self, method: str, path: str, body: Obj | None = None, token: str | None = None
+    ) -> Obj:
+        """The API server's answer to `method` on `path` (with `body` as JSON), as the
+        administrator or, given a `token`, as whoever it names."""
         with trio.fail_after(CALL_TIMEOUT + 5):
             return await trio.to_thread.run_sync(
-                self._call, method, path, body, abandon_on_cancel=True
+                self._call, method, path, body, token, abandon_on_cancel=True
             )
 
     async def get(self, path: str) -> Obj:

@@ -246,7 +246,9 @@ disabled_plugins = [
 
 
 # Addresses from host-local's own state under /var/lib/cni (private to the namespace); no masquerade
-# and no port mapping, which would need iptables: nothing leaves the namespace.
+# and no port mapping, which would need iptables: nothing leaves the namespace. The pods' default
+# route is the bridge, so they reach the `kubernetes` Service's address on the node
+# (control_plane.py).
 CNI_CONFIG = """\
 {
   "cniVersion": "1.0.0",
@@ -255,7 +257,7 @@ CNI_CONFIG = """\
     {
       "type": "bridge",
       "bridge": "pcc-e2e0",
-      "isGateway": true,
+      "isDefaultGateway": true,
       "ipMasq": false,
       "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]]}
     }

@@ -66,6 +66,13 @@ def cluster_consumer_pod() -> Obj:
     return _the(render("cluster-consumer"), "Pod")
 
 
+def cluster_dra_consumer() -> tuple[Obj, Obj]:
+    """The dra-app example as the cluster runs it (its image the only change): its
+    ResourceClaimTemplate and its pod."""
+    objects = render("cluster-dra-consumer")
+    return _the(objects, "ResourceClaimTemplate"), _the(objects, "Pod")
+
+
 def images(pod: Obj) -> set[str]:
     return {container["image"] for container in pod["spec"]["containers"]}
 

@@ -1,0 +1,518 @@
+"""Check 8 of ``nox -s cluster``: the DRA mode (docs/dra.md) on the same cluster, after the device
+plugin's checks (cluster.py), from the same operator's copy of ``manifests/``, with kubectl:
+
+1. install as docs/dra.md says: ``kubectl apply -k manifests/overlays/dra``; the DeviceClass
+   accepted as written (its ``extendedResourceName`` kept), the driver's pod ready, the node's
+   ResourceSlice with 16 devices, written by the driver;
+2. admission: the driver's own token, pod-bound (read where kubelet mounts it in the pod), may
+   write its node's slices and no other node's (the ValidatingAdmissionPolicy); a token of the
+   same service account bound to no pod may write none; RBAC gives it nothing else;
+3. a pod with a claim (manifests/examples/dra-app) runs; inside it ``/dev/sev-guest`` is a
+   writable character device and ``/var/run/pcc`` the node's directory, from the CDI spec the
+   driver wrote for the claim (containerd's log names the claim's CDI device);
+4. 16 such pods run, on 16 distinct devices; the 17th is Pending with the scheduler's reason;
+   one deleted: its claim is unprepared (its CDI spec gone), and the 17th runs;
+5. the migration path: a pod asking for ``tke.cloud.tencent.com/pcc-device: 1``, unchanged
+   (manifests/examples/confidential-app), runs, served by the driver through the DeviceClass's
+   ``extendedResourceName``;
+6. the device removed: the slice withdraws its devices, and a new pod's claim is not allocated
+   (Pending, the scheduler's reason); restored: the devices are back and the pod runs;
+7. kubelet restarted, then the driver's pod deleted, with claims prepared: the running pods keep
+   their containers and devices, the slices are published again; a pod deleted after the new
+   driver started has its claim unprepared by it (the spec gone), and a new pod gets the share.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+import yaml
+
+from . import api, pods
+from .cluster import (
+    CDI_WORDS,
+    CONSUMER_GRACE,
+    CONSUMERS,
+    DAEMONSET,
+    SYSTEM,
+    Cluster,
+    container_id,
+    phase,
+    ready,
+)
+from .kube import Obj, Watch
+from .node import NODE_NAME
+from .poll import wait_for
+from .report import Report, now
+from .scenario import DEVICE, RESOURCE, SHARES, expect, make_device
+
+DRIVER = "pcc.tke.cloud.tencent.com"
+CDI_DIR = Path("/var/run/cdi")
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+SLICES = f"{RESOURCE_API}/resourceslices"
+CLAIM_PREFIX = "dra-"
+# A node that does not exist: the admission policy must refuse the driver its slices.
+OTHER_NODE = "pcc-e2e-other-node"
+# The scheduler's words for a pod whose claims no device can satisfy.
+UNALLOCATABLE = "cannot allocate all claims"
+
+
+def spec_path(claim_uid: str) -> Path:
+    """The CDI spec the driver writes for a prepared claim (docs/dra.md)."""
+    return CDI_DIR / f"{DRIVER}-claim_{claim_uid}.json"
+
+
+def allocated_devices(claim: Obj) -> list[str]:
+    """The driver's devices in the claim's allocation."""
+    allocation = claim.get("status", {}).get("allocation") or {}
+    results = (allocation.get("devices") or {}).get("results") or []
+    return [r["device"] for r in results if r["driver"] == DRIVER and r["pool"] == NODE_NAME]
+
+
+def claim_name(pod: Obj) -> str | None:
+    """The ResourceClaim the pod's one claim (or its extended resource) was given."""
+    status = pod.get("status", {})
+    extended = status.get("extendedResourceClaimStatus")
+    if extended:
+        return str(extended["resourceClaimName"])
+    statuses = status.get("resourceClaimStatuses") or []
+    return str(statuses[0]["resourceClaimName"]) if statuses else None
+
+
+def service_account_token(pod: Obj) -> str:
+    """The token kubelet mounted in the pod (bound to it, so naming its node)."""
+    uid = pod["metadata"]["uid"]
+    volumes = Path(f"/var/lib/kubelet/pods/{uid}/volumes/kubernetes.io~projected")
+    (token,) = volumes.glob("*/token")
+    return token.read_text()
+
+
+def probe_slice(node: str) -> Obj:
+    """A ResourceSlice of the driver for `node`, written only in dry runs."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"pcc-e2e-probe-{node}"},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [],
+        },
+    }
+
+
+@attrs.define
+class Dra:
+    cluster: Cluster
+    slices: Watch
+    claims: Watch
+    claim_template: Obj = attrs.field(init=False)
+    pod_template: Obj = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.claim_template, self.pod_template = pods.cluster_dra_consumer()
+        self.claim_template["metadata"]["namespace"] = CONSUMERS
+        self.pod_template["spec"]["terminationGracePeriodSeconds"] = CONSUMER_GRACE
+
+    @property
+    def report(self) -> Report:
+        return self.cluster.report
+
+    # What the checks read.
+
+    def pool(self) -> list[Obj]:
+        return [
+            s
+            for s in self.slices.current.values()
+            if s["spec"]["driver"] == DRIVER and s["spec"].get("nodeName") == NODE_NAME
+        ]
+
+    def published(self) -> list[str] | None:
+        """The devices the node's pool lists, once its slices agree (one generation, all of the
+        slices it counts); None until then."""
+        slices = self.pool()
+        generations = {s["spec"]["pool"]["generation"] for s in slices}
+        counts = {s["spec"]["pool"]["resourceSliceCount"] for s in slices}
+        if len(generations) != 1 or counts != {len(slices)}:
+            return None
+        return sorted(d["name"] for s in slices for d in s["spec"].get("devices") or [])
+
+    async def wait_published(self, what: str, count: int, within: float = 60) -> float:
+        """Wait until the pool lists `count` devices; when it was seen."""
+
+        def listed() -> bool | None:
+            devices = self.published()
+            return True if devices is not None and len(devices) == count else None
+
+        await self.slices.until(f"{what}: {count} devices in the node's slices", listed, within)
+        return now()
+
+    def claim_pods(self) -> list[Obj]:
+        return [
+            pod
+            for pod in self.cluster.consumer_pods(CLAIM_PREFIX)
+            if "deletionTimestamp" not in pod["metadata"]
+        ]
+
+    def claim_of(self, pod: Obj) -> Obj:
+        name = claim_name(pod)
+        claim = self.claims.current.get(f"{CONSUMERS}/{name}")
+        expect(claim is not None, f"{pod['metadata']['name']}: no ResourceClaim {name}")
+        assert claim is not None
+        return claim
+
+    def device_of(self, pod: Obj) -> tuple[str, str]:
+        """The running pod's claim UID and its one device (of this driver)."""
+        claim = self.claim_of(pod)
+        devices = allocated_devices(claim)
+        expect(len(devices) == 1, f"{claim['metadata']['name']}: allocated {devices}")
+        return claim["metadata"]["uid"], devices[0]
+
+    async def held(self) -> dict[str, list[tuple[str, list[str]]]]:
+        """Kubelet's view (pod-resources): each consumer's devices of the driver, with their
+        CDI devices."""
+        return {
+            pod: devices
+            for (namespace, pod, _), devices in (await api.claimed(DRIVER)).items()
+            if namespace == CONSUMERS
+        }
+
+    # Consumers.
+
+    async def create(self, name: str) -> None:
+        pod: Obj = yaml.safe_load(yaml.safe_dump(self.pod_template))
+        pod["metadata"]["name"] = name
+        pod["metadata"]["namespace"] = CONSUMERS
+        pod["metadata"].setdefault("labels", {})["pcc-e2e/role"] = "dra"
+        await self.cluster.server.call("POST", f"/api/v1/namespaces/{CONSUMERS}/pods", pod)
+
+    async def delete(self, pod: Obj) -> Path:
+        """Delete a running claim pod; its claim's CDI spec, which must go."""
+        uid, _ = self.device_of(pod)
+        spec = spec_path(uid)
+        expect(spec.exists(), f"{pod['metadata']['name']}: no CDI spec {spec}")
+        await self.cluster.delete_consumer(pod["metadata"]["name"])
+        return spec
+
+    async def gone(self, what: str, spec: Path) -> float:
+        async def removed() -> bool | None:
+            return None if await trio.Path(spec).exists() else True
+
+        _, at = await wait_for(f"{what}: {spec} removed", removed, 60)
+        return at
+
+    def check_cdi_injected(self, pod: Obj, claim_uid: str) -> str:
+        """containerd's log: the claim's CDI device, injected into the pod's container."""
+        words = f"Container {container_id(pod)}: {CDI_WORDS}"
+        log = self.cluster.node.containerd.log.read_text(errors="replace")
+        named = [
+            line.split(CDI_WORDS, 1)[1].split("]", 1)[0] + "]"
+            for line in log.splitlines()
+            if words in line
+        ]
+        wanted = f"[{DRIVER}/claim={claim_uid}]"
+        expect(named == [wanted], f"containerd.log: {words}{named}, not {wanted}")
+        return wanted
+
+    # 8.1 and 8.2
+
+    async def install(self) -> Obj:
+        self.report.variant = "8 dra install"
+        cluster = self.cluster
+        overlay = cluster.manifests / "overlays" / "dra"
+        applied = now()
+        await cluster.kubectl("apply", "-k", str(overlay))
+        listed = await cluster.kubectl("get", "deviceclass", DRIVER)
+        device_class = await cluster.server.get(f"{RESOURCE_API}/deviceclasses/{DRIVER}")
+        kept = device_class["spec"].get("extendedResourceName")
+        expect(DRIVER in listed and kept == RESOURCE, f"the DeviceClass: {device_class}")
+        published = await self.wait_published("the driver published", SHARES)
+        self.report.figure(
+            f"dra: apply → {SHARES} devices in the ResourceSlice", published - applied
+        )
+        plugin = await cluster.wait_rolled_out("the DRA driver's pod ready", None)
+        ready_at = cluster.first_seen(plugin, ready)
+        assert ready_at is not None
+        self.report.figure("dra: apply → driver pod ready (readiness probe)", ready_at - applied)
+        logs = await cluster.kubectl("-n", SYSTEM, "logs", f"ds/{DAEMONSET}")
+        registered = f"Registered DRA driver {DRIVER} with kubelet"
+        expect(registered in logs, f"kubectl logs ds/{DAEMONSET} has no {registered!r}:\n{logs}")
+        table = await cluster.kubectl(
+            "get", "resourceslices", "--field-selector", f"spec.driver={DRIVER}"
+        )
+        expect(NODE_NAME in table, f"kubectl get resourceslices:\n{table}")
+        managers = {
+            entry["manager"] for s in self.pool() for entry in s["metadata"]["managedFields"]
+        }
+        expect(managers == {"pcc-device-plugin"}, f"the slices were written by {managers}")
+        self.report.check(
+            f"kubectl apply -k manifests/overlays/dra: the DeviceClass {DRIVER} accepted with "
+            f"extendedResourceName {RESOURCE}; the driver {plugin['metadata']['name']} ready, "
+            f"its log says {registered!r}; its ResourceSlice for {NODE_NAME} lists {SHARES} "
+            "devices, written by the driver"
+        )
+        return plugin
+
+    async def refused(self, method: str, path: str, body: Obj | None, token: str) -> str:
+        try:
+            await self.cluster.server.call(method, path, body, token=token)
+        except RuntimeError as error:
+            expect("HTTP 403" in str(error), f"{method} {path}: {error}")
+            status = json.loads(str(error).split(": HTTP 403: ", 1)[1])
+            return str(status["message"])
+        raise AssertionError(f"{method} {path} with the driver's token: allowed")
+
+    async def admission(self, plugin: Obj) -> None:
+        self.report.variant = "8 dra admission"
+        token = service_account_token(plugin)
+        dry_run = f"{SLICES}?dryRun=All"
+        await self.cluster.server.call("POST", dry_run, probe_slice(NODE_NAME), token=token)
+        other = await self.refused("POST", dry_run, probe_slice(OTHER_NODE), token)
+        expect("may change only its own node's ResourceSlices" in other, other)
+        self.report.check(
+            f"the driver's pod-bound token may create a slice for {NODE_NAME} (dry run); "
+            f"for {OTHER_NODE}, the admission policy refuses: {other}"
+        )
+        unbound = await self.cluster.kubectl("-n", SYSTEM, "create", "token", DAEMONSET)
+        no_node = await self.refused("POST", dry_run, probe_slice(NODE_NAME), unbound.strip())
+        expect("its token names no node" in no_node, no_node)
+        self.report.check(f"a token of the service account bound to no pod: refused: {no_node}")
+        for path in (f"/api/v1/namespaces/{SYSTEM}/secrets", "/api/v1/pods"):
+            await self.refused("GET", path, None, token)
+        self.report.check("RBAC: the driver's token may not list secrets or pods")
+
+    # 8.3 and 8.4
+
+    async def claims_served(self) -> None:
+        self.report.variant = "8 dra claims"
+        cluster = self.cluster
+        templates = f"/apis/resource.k8s.io/v1/namespaces/{CONSUMERS}/resourceclaimtemplates"
+        await cluster.server.call("POST", templates, self.claim_template)
+        first = f"{CLAIM_PREFIX}1"
+        created = now()
+        await self.create(first)
+        pod = await cluster.consumer_running(first)
+        self.report.figure("dra: claim pod created → running", now() - created)
+        uid, device = self.device_of(pod)
+        expect(spec_path(uid).exists(), f"{first}: no CDI spec {spec_path(uid)}")
+        injected = self.check_cdi_injected(pod, uid)
+        await cluster.check_in_consumer(pod)
+        self.report.check(
+            f"{first} runs with its claim ({device}): the driver wrote {spec_path(uid)}, "
+            f"containerd injected {injected}; {DEVICE} is a character device it can write, "
+            "/var/run/pcc the node's directory"
+        )
+
+        names = [f"{CLAIM_PREFIX}{n}" for n in range(2, SHARES + 2)]
+        created = now()
+        for name in names:
+            await self.create(name)
+
+        def placed() -> tuple[list[Obj], Obj] | None:
+            found = self.claim_pods()
+            running = [p for p in found if phase(p) == "Running"]
+            pending = [p for p in found if phase(p) == "Pending" and not p["spec"].get("nodeName")]
+            if len(running) == SHARES and len(pending) == 1:
+                return running, pending[0]
+            return None
+
+        running, pending = await cluster.pods.until(
+            f"{SHARES} claim pods running, 1 pending", placed, 180
+        )
+        self.report.figure(f"dra: {SHARES} more claim pods created → all shares in use",
+                           now() - created)  # fmt: skip
+        allocated = {p["metadata"]["name"]: self.device_of(p) for p in running}
+        devices = {device for _, device in allocated.values()}
+        expect(len(devices) == SHARES, f"the running pods' devices: {sorted(devices)}")
+        held = await self.held()
+        expected = {
+            name: [(device, [f"{DRIVER}/claim={uid}"])] for name, (uid, device) in allocated.items()
+        }
+        expect(held == expected, f"kubelet's pod-resources: {held}, not {expected}")
+        pending_name = pending["metadata"]["name"]
+        event = await cluster.scheduler_event(pending_name)
+        expect(UNALLOCATABLE in event["message"], f"{event}")
+        self.report.check(
+            f"{SHARES} claim pods run on {SHARES} distinct devices, each its claim's CDI device "
+            f"in kubelet's pod-resources; {pending_name} is Pending: {event['message']}"
+        )
+
+        victim = running[0]["metadata"]["name"]
+        deleted = now()
+        spec = await self.delete(running[0])
+        self.report.figure("dra: pod deleted → its claim's CDI spec gone",
+                           await self.gone(victim, spec) - deleted)  # fmt: skip
+        await cluster.consumer_running(pending_name)
+        self.report.figure("dra: pod deleted → the Pending pod running", now() - deleted)
+        self.report.check(
+            f"{victim} deleted: its claim unprepared ({spec.name} removed); {pending_name} runs"
+        )
+
+    # 8.5
+
+    async def extended_resource(self) -> None:
+        self.report.variant = "8 dra extended"
+        cluster = self.cluster
+        await self.delete(self.claim_pods()[0])
+        name = "extended-1"
+        created = now()
+        await cluster.create_consumer(name, "extended")
+        pod = await cluster.consumer_running(name)
+        self.report.figure("dra: extended-resource pod created → running", now() - created)
+        expect(
+            bool(pod["status"].get("extendedResourceClaimStatus")),
+            f"{name}: no extendedResourceClaimStatus: {pod['status']}",
+        )
+        uid, device = self.device_of(pod)
+        expect(spec_path(uid).exists(), f"{name}: no CDI spec {spec_path(uid)}")
+        await cluster.check_in_consumer(pod)
+        self.report.check(
+            f"{name} asks for {RESOURCE}: 1 as before, and runs on {device} through the "
+            f"DeviceClass's extendedResourceName (claim {claim_name(pod)}, {spec_path(uid).name})"
+        )
+
+    # 8.6
+
+    async def device_removed(self) -> None:
+        self.report.variant = "8 dra device"
+        cluster = self.cluster
+        spec = await self.delete(self.claim_pods()[0])
+        await self.gone("a share freed", spec)
+        removed = now()
+        DEVICE.unlink()
+        withdrawn = await self.wait_published("the device removed", 0)
+        self.report.figure("dra: device removed → devices withdrawn", withdrawn - removed)
+        name = f"{CLAIM_PREFIX}withdrawn"
+        await self.create(name)
+        event = await cluster.scheduler_event(name)
+
+        def with_claim() -> Obj | None:
+            pod = cluster.pods.current.get(f"{CONSUMERS}/{name}")
+            named = pod and claim_name(pod)
+            return pod if named and f"{CONSUMERS}/{named}" in self.claims.current else None
+
+        # The claim controller made the claim, then named it in the pod's status.
+        pod = await cluster.pods.until(f"{name} and its claim", with_claim, 30)
+        claim = self.claim_of(pod)
+        expect(
+            UNALLOCATABLE in event["message"]
+            and not pod["spec"].get("nodeName")
+            and not claim.get("status", {}).get("allocation"),
+            f"{name}: {event['message']}; {pod['spec'].get('nodeName')}; {claim.get('status')}",
+        )
+        self.report.check(
+            f"{DEVICE} removed: the node's slice lists no device; {name}'s claim is not "
+            f"allocated, the pod is Pending: {event['message']}"
+        )
+        restored = now()
+        make_device()
+        back = await self.wait_published("the device restored", SHARES)
+        self.report.figure("dra: device restored → devices back", back - restored)
+        await cluster.consumer_running(name)
+        self.report.figure("dra: device restored → the Pending pod running", now() - restored)
+        self.report.check(f"{DEVICE} restored: {SHARES} devices listed again; {name} runs")
+
+    # 8.7
+
+    async def kept(self, pods: list[Obj], before: dict[str, Any], what: str) -> None:
+        """The pods still run in the same containers, with the same devices (as kubelet lists
+        them) and their claims' CDI specs; one of them still writes its device."""
+        names = {pod["metadata"]["name"] for pod in pods}
+
+        async def same() -> bool | None:
+            held = await self.held()
+            return True if {name: held.get(name) for name in names} == before else None
+
+        # Kubelet lists a pod's devices again once it has the pod back from the API server.
+        await wait_for(f"{what}: kubelet lists the claim pods' devices", same, 60)
+        tasks = await self.cluster.node.tasks()
+        for pod in pods:
+            running = tasks.get(container_id(pod), (0, ""))[1] == "RUNNING"
+            uid, _ = self.device_of(pod)
+            expect(
+                running and spec_path(uid).exists(),
+                f"{what}: {pod['metadata']['name']} lost its container or its CDI spec",
+            )
+        await self.cluster.check_in_consumer(pods[0])
+
+    async def restarts(self) -> None:
+        self.report.variant = "8 dra restarts"
+        cluster = self.cluster
+        running = [p for p in self.claim_pods() if phase(p) == "Running"]
+        held = await self.held()
+        devices = {p["metadata"]["name"]: held[p["metadata"]["name"]] for p in running}
+        before = {s["metadata"]["uid"] for s in self.pool()}
+
+        kubelet = cluster.node.kubelet
+        await kubelet.stop()
+        await kubelet.start()
+
+        def published_again() -> bool | None:
+            again = {s["metadata"]["uid"] for s in self.pool()}
+            listed = self.published()
+            fresh = again and not again & before
+            return True if fresh and listed is not None and len(listed) == SHARES else None
+
+        await self.slices.until("the slices published again", published_again, 60)
+        self.report.figure(
+            "dra: kubelet started → slices published again", now() - kubelet.started_at
+        )
+        await self.kept(running, devices, "kubelet restarted")
+        self.report.check(
+            f"kubelet restarted: it deleted the node's slices, the driver published {SHARES} "
+            f"devices again; {len(running)} claim pods kept their containers and CDI specs"
+        )
+
+        published = {s["metadata"]["uid"] for s in self.pool()}
+        (old,) = cluster.plugin_pods()
+        deleted = now()
+        await cluster.kubectl("-n", SYSTEM, "delete", "pod", old["metadata"]["name"],
+                              "--wait=false")  # fmt: skip
+        new = await cluster.wait_rolled_out("a new driver pod, ready", old)
+        self.report.figure("dra: driver pod deleted → new one ready", now() - deleted)
+        await self.wait_published("the new driver", SHARES)
+        kept = {s["metadata"]["uid"] for s in self.pool()}
+        expect(kept == published, f"the slices were written again: {published} → {kept}")
+        await self.kept(running, devices, "the driver's pod deleted")
+        victim = running[-1]
+        deleted = now()
+        spec = await self.delete(victim)
+        self.report.figure(
+            "dra: pod deleted → the new driver removed its spec",
+            await self.gone("unprepared by the new driver", spec) - deleted,
+        )
+        await cluster.pods.until(
+            f"{victim['metadata']['name']} gone",
+            functools.partial(self.absent, victim["metadata"]["name"]),
+            60,
+        )
+        after = f"{CLAIM_PREFIX}after-restarts"
+        await self.create(after)
+        await cluster.consumer_running(after)
+        self.report.figure("dra: pod deleted → a new claim pod running", now() - deleted)
+        self.report.check(
+            f"driver pod deleted: {new['metadata']['name']} ready, the slices kept, "
+            f"{len(running)} claim pods kept their containers; {victim['metadata']['name']}, "
+            f"prepared by the old driver, deleted: unprepared by the new one ({spec.name} "
+            f"removed), and {after} got the share"
+        )
+
+    def absent(self, name: str) -> bool | None:
+        return None if f"{CONSUMERS}/{name}" in self.cluster.pods.current else True
+
+
+async def run(cluster: Cluster, slices: Watch, claims: Watch) -> None:
+    """Check 8, on the cluster the device plugin's checks left (the plugin uninstalled)."""
+    dra = Dra(cluster, slices, claims)
+    plugin = await dra.install()
+    await dra.admission(plugin)
+    await dra.claims_served()
+    await dra.extended_resource()
+    await dra.device_removed()
+    await dra.restarts()
