@@ -97,14 +97,14 @@ def restart_reason(
     plugin_dir: Path,
     endpoint: str,
     own: Identity,
-    kubelet_seen: Identity | None,
+    kubelet_seen: Identity | None = None,
 ) -> str | None:
     """Why a batch of events calls for a restart, or None; logs what it sees.
 
     Our socket is known by its identity, not its name: deleted, or replaced by
-    a file or by someone else's socket, it is no longer ours to serve on. So is
-    kubelet.sock: only another than the one this generation saw (`kubelet_seen`)
-    is a kubelet restart; an event about the one it saw came before it looked.
+    a file or by someone else's socket, it is no longer ours to serve on. Events
+    that came before the generation looked (`kubelet_seen`, the kubelet.sock it
+    saw then) are no kubelet restart for the kubelet.sock it saw.
     """
     kubelet_socket = plugin_dir / KUBELET_SOCKET
     names: dict[str, Mask] = {}
@@ -181,9 +181,11 @@ async def watch_plugin_dir(
     )
     if reason:
         restart(reason)
+    # From here on, a kubelet.sock that appears is a restart whatever its identity: inode
+    # numbers are reused, and change times count in the kernel's clock ticks.
     while True:
         events = await next_events(inotify)
-        reason = restart_reason(events, plugin_dir, endpoint, own, kubelet_seen)
+        reason = restart_reason(events, plugin_dir, endpoint, own)
         if reason:
             restart(reason)
         else:

@@ -30,7 +30,7 @@ import trio
 
 from pcc_plugin import grpc_clients
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.fs import identity, is_socket
+from pcc_plugin.fs import Identity, identity, is_socket
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import KUBELET_RESTARTED, KUBELET_SOCKET, accepts_connections
 from pcc_plugin.stats import ResourceStats
@@ -102,6 +102,8 @@ class KubeletLink:
     connection: object | None = None
     chosen_in_flight: bool = False
     stream_claimed: bool = False
+    # The kubelet.sock the last Register went to, from the moment it is sent.
+    kubelet: Identity | None = None
 
     def options_called(self, connection: object) -> None:
         if self.register == "not sent":
@@ -192,7 +194,7 @@ async def register_with_kubelet(
             await trio.sleep_forever()
         log.log(V1, "Registering %s at %s with endpoint %s",
                 request.resource_name, kubelet_socket, request.endpoint)  # fmt: skip
-        kubelet = identity(kubelet_socket)
+        kubelet = link.kubelet = identity(kubelet_socket)
         link.register = "in flight"
         try:
             await register(kubelet_socket, request, REGISTER_TIMEOUT)
@@ -243,7 +245,7 @@ async def reregister_when_stream_ends(
         link.stats.registered = False
         link.stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
         await trio.sleep_forever()
-    if identity(kubelet_socket) != link.stats.kubelet:
+    if identity(kubelet_socket) != link.kubelet:
         log.info("kubelet's ListAndWatch stream ended and %s is new: registering again",
                  kubelet_socket)  # fmt: skip
         restart(KUBELET_RESTARTED)

@@ -26,6 +26,7 @@ import hypothesis.strategies
 import pytest
 import trio
 import trio.testing
+from daemon_support import log_line
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
 from metrics_support import get, metrics_port, scrape, value
 from raw_clients import closed_by_server, connect
@@ -274,6 +275,8 @@ async def test_kubelets_connection_to_the_dra_socket_stays_open_between_calls(
         # Connected after kubelet's: closed once kubelet's would have been, and said after it.
         with connect(Path(instance.endpoint)) as silent:
             assert await run_blocking(closed_by_server, silent)
+        # Its log reaches us through a pipe and a reader thread: the line may be on its way.
+        await log_line(daemon, "Closing connection")
         closed = re.findall(r"Closing connection \d+: (.*)", daemon.log_text())
         assert closed == ["no HTTP/2 preface within 5 s"]
         dra.claim("app", "uid-1")

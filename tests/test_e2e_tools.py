@@ -96,10 +96,11 @@ def test_kubelets_log_is_read_per_start_and_across_midnight(tmp_path: Path) -> N
 
 async def test_a_daemons_line_is_acted_on_once_as_it_is_written(tmp_path: Path) -> None:
     seen: list[str] = []
-    acted = trio.Event()
+    acted, written = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
         daemon = Daemon(
-            "sh", ["sh", "-c", "echo one; echo ready now; echo ready again; exec sleep 30"],
+            "sh",
+            ["sh", "-c", "echo one; echo ready now; echo ready again; echo end; exec sleep 30"],
             tmp_path / "sh.log", nursery=nursery,
         )  # fmt: skip
 
@@ -108,14 +109,16 @@ async def test_a_daemons_line_is_acted_on_once_as_it_is_written(tmp_path: Path) 
             acted.set()
 
         daemon.on_line("ready", act)
+        daemon.on_line("end", written.set)
         with trio.fail_after(10):
             await daemon.start()
             await acted.wait()
+            await written.wait()  # every line out before it is stopped
             assert await daemon.stop() == -signal.SIGTERM
     # Once, at the first line with the words, which the log already held.
     assert len(seen) == 1
     assert "one\nready now\n" in seen[0]
-    assert daemon.log.read_text().endswith("one\nready now\nready again\n")
+    assert daemon.log.read_text().endswith("one\nready now\nready again\nend\n")
 
 
 def test_failed_checks_are_told_from_errors_also_in_nurseries() -> None:

@@ -156,7 +156,6 @@ async def test_kubelet_restarts_in_quick_succession_never_wait(
             await serving(kubelet, registrations=restart + 1)
         samples = await scrape(port)
     assert value(samples, "pcc_device_plugin_backoff_seconds_total") == 0
-    assert value(samples, "pcc_device_plugin_kubelet_restarts_total") == QUICK_RESTARTS
     assert_no_traceback(daemon)
 
 

@@ -215,7 +215,7 @@ async def test_stream_end_restarts_at_once_while_kubelet_listens(
     with bind_socket(tmp_path / "kubelet.sock") as kubelet, trio.CancelScope() as scope:
         kubelet.listen()
         if same_kubelet:
-            link.stats.kubelet = identity(tmp_path / "kubelet.sock")
+            link.kubelet = identity(tmp_path / "kubelet.sock")
         restart = Restart(scope)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reregister_when_stream_ends, tmp_path, link, restart)
