@@ -104,15 +104,20 @@ def _text(data: bytes, start: int, stop: int, name: str) -> str:
         raise WireError(f"field {name} is not valid UTF-8") from None
 
 
+def _field_key(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
+    """The field number and wire type of the key at `pos`, and where its value begins."""
+    key, pos = _varint(data, pos, end)
+    if key >> 3 == 0:
+        raise WireError("field number 0 is not allowed")
+    return key >> 3, key & 7, pos
+
+
 def check(data: bytes, schema: Schema, start: int = 0, end: int | None = None) -> None:
     """Raise WireError unless `data[start:end]` is a complete, well-typed message of `schema`."""
     end = len(data) if end is None else end
     pos = start
     while pos < end:
-        key, pos = _varint(data, pos, end)
-        number, wire_type = key >> 3, key & 7
-        if number == 0:
-            raise WireError("field number 0 is not allowed")
+        number, wire_type, pos = _field_key(data, pos, end)
         known = schema.get(number)
         if known is None:
             pos = _skip(data, pos, end, wire_type, number)
@@ -143,10 +148,7 @@ def _values_of_field_1(data: bytes, start: int, end: int, name: str) -> Iterator
     not as the field or the wire format demands."""
     pos = start
     while pos < end:
-        key, pos = _varint(data, pos, end)
-        number, wire_type = key >> 3, key & 7
-        if number == 0:
-            raise WireError("field number 0 is not allowed")
+        number, wire_type, pos = _field_key(data, pos, end)
         if number != 1:
             pos = _skip(data, pos, end, wire_type, number)
             continue
