@@ -71,13 +71,16 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     from pcc_plugin.errors import FatalError
 
     settle_after_imports()
+    fatal: list[BaseException] = []
     try:
         trio.run(supervisor.run, config, served)
     except* FatalError as group:
-        for error in _leaves(group):
-            log.error("%s", error)
-        sys.exit(1)
-    sys.exit(0)
+        fatal = _leaves(group)
+    # Outside the except* block: Python before 3.11.4 (Debian 12's 3.11.2, the image's) wraps an
+    # exception raised in one, SystemExit too, in a group and prints it with its traceback.
+    for error in fatal:
+        log.error("%s", error)
+    sys.exit(1 if fatal else 0)
 
 
 def settle_after_imports() -> None:
