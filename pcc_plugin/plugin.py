@@ -106,6 +106,8 @@ class DevicePlugin:
         self._seen: dict[str, DeviceNode] = {}
         self.devices: tuple[Device, ...] = ()
         self._by_id: dict[str, Device] = {}
+        # In UTF-8 bytes: a request's longer ID names no device and is refused unread.
+        self.longest_id = 0
         self.feed = DeviceFeed(b"")
         # Set, and replaced, at each change of the devices: what trio code waits on.
         self._changed = trio.Event()
@@ -121,6 +123,7 @@ class DevicePlugin:
         before = _describe(self.devices) if self.devices else None
         self.devices = devices
         self._by_id = {device.id: device for device in devices}
+        self.longest_id = max((len(device.id.encode()) for device in devices), default=0)
         unhealthy = sum(1 for device in devices if device.problem)
         self.stats.unhealthy_devices = unhealthy
         self.stats.healthy_devices = len(devices) - unhealthy

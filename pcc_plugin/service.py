@@ -80,9 +80,9 @@ class DevicePluginService:
     def allocate(self, data: bytes, call: Call) -> bytes:
         try:
             containers = wire.read_allocate_request(
-                data, MAX_CONTAINER_REQUESTS, len(self._plugin.devices)
+                data, MAX_CONTAINER_REQUESTS, len(self._plugin.devices), self._plugin.longest_id
             )
-        except (wire.WireError, wire.TooMany) as exc:
+        except (wire.WireError, wire.TooMany, wire.TooLong) as exc:
             raise self._allocate_refused(self._unreadable("AllocateRequest", exc)) from None
         try:
             return encode_allocate_response(tuple(self._plugin.allocate(containers)))
@@ -97,8 +97,10 @@ class DevicePluginService:
 
     def pre_start_container(self, data: bytes, call: Call) -> bytes:
         try:
-            device_ids = wire.read_device_ids(data, len(self._plugin.devices))
-        except (wire.WireError, wire.TooMany) as exc:
+            device_ids = wire.read_device_ids(
+                data, len(self._plugin.devices), self._plugin.longest_id
+            )
+        except (wire.WireError, wire.TooMany, wire.TooLong) as exc:
             raise self._unreadable("PreStartContainerRequest", exc) from None
         try:
             self._plugin.pre_start_container(device_ids)
@@ -106,7 +108,9 @@ class DevicePluginService:
             raise _refused(exc) from None
         return b""
 
-    def _unreadable(self, name: str, exc: wire.WireError | wire.TooMany) -> GRPCError:
+    def _unreadable(
+        self, name: str, exc: wire.WireError | wire.TooMany | wire.TooLong
+    ) -> GRPCError:
         """A request that is malformed, or too large for this resource: INVALID_ARGUMENT."""
         if isinstance(exc, wire.TooManyContainers):
             why = f"{name} has more than {MAX_CONTAINER_REQUESTS} container requests"
@@ -114,6 +118,11 @@ class DevicePluginService:
             why = (
                 f"{name} names more device IDs than the {len(self._plugin.devices)} "
                 f"{self._plugin.spec.name} advertises"
+            )
+        elif isinstance(exc, wire.TooLong):
+            why = (
+                f"{name} names a device ID of {exc.size} bytes, longer than any of "
+                f"{self._plugin.spec.name}'s ({self._plugin.longest_id} bytes at most)"
             )
         else:
             why = f"cannot decode {name}: {exc}"

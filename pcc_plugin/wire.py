@@ -30,6 +30,14 @@ class TooMany(Exception):
         self.limit = limit
 
 
+class TooLong(Exception):
+    """A string longer than the caller allows; it was not decoded."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
 class TooManyContainers(TooMany):
     """More container requests than the caller allows."""
 
@@ -161,26 +169,33 @@ def _values_of_field_1(data: bytes, start: int, end: int, name: str) -> Iterator
         pos += size
 
 
-def read_device_ids(data: bytes, limit: int, start: int = 0, end: int | None = None) -> list[str]:
+def read_device_ids(
+    data: bytes, limit: int, longest: int, start: int = 0, end: int | None = None
+) -> list[str]:
     """The device IDs of a ContainerAllocateRequest or PreStartContainerRequest.
 
-    Raises WireError at the first malformed byte, and TooMany as soon as
-    there are more than `limit`.
+    Raises WireError at the first malformed byte, TooMany as soon as there are
+    more than `limit`, and TooLong for an ID of more than `longest` bytes.
     """
     ids: list[str] = []
     for begin, stop in _values_of_field_1(data, start, len(data) if end is None else end,
                                           "devices_ids"):  # fmt: skip
         if len(ids) == limit:
             raise TooMany(limit)
+        if stop - begin > longest:
+            raise TooLong(stop - begin)
         ids.append(_text(data, begin, stop, "devices_ids"))
     return ids
 
 
-def read_allocate_request(data: bytes, max_containers: int, max_ids: int) -> list[list[str]]:
-    """The device IDs of each container request, at most `max_ids` in all.
+def read_allocate_request(
+    data: bytes, max_containers: int, max_ids: int, longest: int
+) -> list[list[str]]:
+    """The device IDs of each container request, at most `max_ids` in all, none longer
+    than `longest` bytes.
 
-    Raises WireError for malformed bytes, TooManyContainers or TooMany (IDs)
-    as soon as a limit is passed, without reading further.
+    Raises WireError for malformed bytes, TooManyContainers, TooMany (IDs) or
+    TooLong as soon as a limit is passed, without reading further.
     """
     containers: list[list[str]] = []
     total = 0
@@ -188,7 +203,7 @@ def read_allocate_request(data: bytes, max_containers: int, max_ids: int) -> lis
         if len(containers) == max_containers:
             raise TooManyContainers(max_containers)
         try:
-            ids = read_device_ids(data, max_ids - total, begin, stop)
+            ids = read_device_ids(data, max_ids - total, longest, begin, stop)
         except TooMany:
             raise TooMany(max_ids) from None
         total += len(ids)

@@ -84,6 +84,12 @@ async def test_allocate_one_and_several_container_requests(
         (b"", "AllocateRequest has no container requests"),
         (b"\x0a\x00", "container request 0 names no device IDs"),
         (b"\x0a\x07\x0a\x05gpu-0", "unknown device IDs 'gpu-0'"),
+        # Longer than every ID the resource has, so refused before it is decoded or looked up.
+        (
+            b"\x0a\x0b\x0a\x09pcc-10000",
+            f"AllocateRequest names a device ID of 9 bytes, longer than any of {RESOURCE}'s "
+            "(6 bytes at most)",
+        ),
         (b"\x0a\x05\x0a\x03\xff\xfe\xfd", "cannot decode AllocateRequest"),
         (b"\x08\x01", "cannot decode AllocateRequest: field container_requests is sent as varint"),
         (b"\x0a", "cannot decode AllocateRequest"),
