@@ -1,8 +1,10 @@
-"""gRPC clients: kubelet's Register, and the doctor's probes of kubelet and of a plugin."""
+"""gRPC clients: kubelet's Register, and the doctor's probes of kubelet and of a plugin
+or DRA driver."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpclib.client
 import grpclib.const
@@ -11,6 +13,9 @@ import grpclib.exceptions
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.bridge import call_asyncio
+
+if TYPE_CHECKING:
+    from pcc_plugin._proto import pluginregistration
 
 Status = grpclib.const.Status
 
@@ -97,17 +102,39 @@ async def read_device_plugin(
         options = await call_asyncio(stub.get_device_plugin_options, api.Empty(), timeout=deadline)
         step = "ListAndWatch"
         listing = await call_asyncio(_first_listing, channel, deadline)
-    except grpclib.exceptions.GRPCError as exc:
-        raise CallFailed(f"{step} answered {exc.status.name}: {exc.message}") from None
-    except TimeoutError:
-        raise CallFailed(f"{step} got no answer within {deadline:g} s") from None
-    except _UNREACHABLE as exc:
-        raise CallFailed(f"{step} failed: {exc}") from None
+    except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
+        raise _call_failed(step, exc, deadline) from None
     finally:
         channel.close()
     if listing is None:
         raise CallFailed("ListAndWatch ended without sending a device list")
     return options, listing
+
+
+async def read_plugin_info(socket_path: Path, deadline: float) -> pluginregistration.PluginInfo:
+    """GetInfo on a plugin registration socket, as kubelet's plugin watcher asks it.
+
+    Raises CallFailed.
+    """
+    # Only the doctor asks this: the daemon does not load these messages for it.
+    from pcc_plugin._proto import pluginregistration as registration
+
+    channel = _channel(socket_path)
+    try:
+        stub = registration.RegistrationStub(channel)
+        return await call_asyncio(stub.get_info, registration.InfoRequest(), timeout=deadline)
+    except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
+        raise _call_failed("GetInfo", exc, deadline) from None
+    finally:
+        channel.close()
+
+
+def _call_failed(step: str, exc: BaseException, deadline: float) -> CallFailed:
+    if isinstance(exc, grpclib.exceptions.GRPCError):
+        return CallFailed(f"{step} answered {exc.status.name}: {exc.message}")
+    if isinstance(exc, TimeoutError):
+        return CallFailed(f"{step} got no answer within {deadline:g} s")
+    return CallFailed(f"{step} failed: {exc}")
 
 
 async def _first_listing(

@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+from dra_support import DRIVER, DraNode, registered
 
 from pcc_plugin.doctor.config import check_config
 from pcc_plugin.doctor.node import check_pcc_node
@@ -477,6 +478,50 @@ async def test_pcc_dir_on_a_read_only_mount_of_the_node_itself_fails(node: Node)
     assert report.statuses[pcc_dir] == "FAIL"
     assert f"is on a read-only mount at {var_run}" in report.lines[pcc_dir]
     assert "mount -o remount,bind,rw" in report.lines[pcc_dir]
+
+
+REGISTRY_DIR = "plugin registry dir"
+DRA_DRIVER = f"DRA driver {DRIVER}"
+
+
+async def test_in_dra_mode_the_driver_is_checked_instead_of_the_device_plugin(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    with trio.fail_after(60):
+        daemon = start_daemon(*dra_node.daemon_args())
+        line = await run_blocking(daemon.wait_for_log, "Serving /metrics", 10.0)
+        await registered(dra_node)
+        args = [
+            *dra_node.daemon_args(),
+            f"--metrics-bind-address=127.0.0.1:{line.rsplit(' ', 1)[1]}",
+        ]
+        report = await run_doctor(*args)
+        assert report.code == 0, report.stdout
+        # No device-plugin directory or kubelet.sock: the DRA mode needs neither.
+        assert list(report.lines) == [DEVICE, SEV_SNP, PCC_DIR, REGISTRY_DIR, DRA_DRIVER, READYZ]
+        assert report.unlike_a_healthy_fake_node == set()
+        (instance,) = dra_node.kubelet.instances(DRIVER)
+        assert report.lines[DRA_DRIVER].endswith(
+            f"answers for {DRIVER} (v1.DRAPlugin, v1beta1.DRAPlugin); its DRA socket "
+            f"{instance.endpoint} answers"
+        )
+
+        # Killed: its sockets are left behind, and answer nothing.
+        assert await run_blocking(daemon.terminate, signal.SIGKILL) == -signal.SIGKILL
+        report = await run_doctor(*args)
+        assert report.code == 1
+        assert report.statuses[DRA_DRIVER] == "FAIL"
+        assert report.lines[DRA_DRIVER] == (
+            f"FAIL  {DRA_DRIVER}: no registration socket in {dra_node.registry} answers GetInfo "
+            f"for {DRIVER}; fix: start the daemon with --mode=dra, or see why it stopped "
+            "(kubectl -n kube-system logs <the plugin's pod on this node> --previous); give the "
+            "doctor the daemon's flags"
+        )
+
+        dra_node.registry.rename(dra_node.registry.with_name("elsewhere"))
+        report = await run_doctor(*args)
+        assert report.statuses[REGISTRY_DIR] == "FAIL"
+        assert report.statuses[DRA_DRIVER] == "SKIP"
 
 
 async def test_usage_errors_and_help() -> None:

@@ -12,6 +12,7 @@ import trio
 
 from pcc_plugin import bridge, flags, klog
 from pcc_plugin.doctor.config import check_config
+from pcc_plugin.doctor.dra import check_driver, check_registry_dir
 from pcc_plugin.doctor.kubelet import (
     check_kubelet,
     check_plugin,
@@ -21,14 +22,15 @@ from pcc_plugin.doctor.kubelet import (
 from pcc_plugin.doctor.node import check_device, check_mount, check_pcc_node
 from pcc_plugin.doctor.readyz import check_readyz
 from pcc_plugin.doctor.report import Result, skipped
-from pcc_plugin.flags import Flags
+from pcc_plugin.flags import DEFAULT_MODE, Flags
 from pcc_plugin.resource import ResourceSpec
 
 PROG = f"{flags.PROG} doctor"
 DESCRIPTION = (
     "Check this node for the plugin: device and directories, kubelet's socket directory "
-    "and kubelet.sock, the daemon's socket and /readyz. Give it the daemon's flags. "
-    "It changes nothing and sends kubelet no Register."
+    "and kubelet.sock, the daemon's socket and /readyz (with --mode=dra: kubelet's plugin "
+    "registry and the driver's sockets instead of the device-plugin ones). Give it the "
+    "daemon's flags. It changes nothing and sends kubelet no Register."
 )
 EPILOG = "Exit codes: 0 no check failed; 1 a check failed; 2 usage error."
 
@@ -39,6 +41,7 @@ async def examine(
     report: Callable[[Result], None],
     config_digest: str = "",
     config_problem: str | None = None,
+    mode: str = DEFAULT_MODE,
 ) -> None:
     """Run every check in order and `report` each result as it comes.
 
@@ -61,22 +64,11 @@ async def examine(
     else:
         for result in check_pcc_node(specs[0], host_root):
             report(result)
-    plugin_dir = Path(config.device_plugin_path)
-    directory = check_plugin_dir(plugin_dir)
-    report(directory)
     async with bridge.asyncio_loop():
-        if directory.status == "PASS":
-            kubelet = await check_kubelet(plugin_dir)
+        if mode == "dra":
+            await _examine_dra(config, report)
         else:
-            kubelet = skipped("kubelet", f"not checked until {plugin_dir} exists")
-        report(kubelet)
-        for spec in specs:
-            if kubelet.status == "PASS":
-                expected = expected_devices(spec, host_root)
-                report(await check_plugin(plugin_dir, spec, expected, config.pre_start_check))
-            else:
-                # What the daemon lists matters only to a kubelet that answers.
-                report(skipped(f"plugin {spec.name}", "not checked until kubelet answers"))
+            await _examine_device_plugin(config, specs, report)
     report(await check_readyz(config.metrics_bind_address))
     if config.config:
         report(
@@ -84,6 +76,36 @@ async def examine(
                 config.config, config.metrics_bind_address, config_digest, config_problem
             )
         )
+
+
+async def _examine_dra(config: Flags, report: Callable[[Result], None]) -> None:
+    registry = Path(config.kubelet_registry_path)
+    directory = check_registry_dir(registry)
+    report(directory)
+    if directory.status == "PASS":
+        report(await check_driver(registry, config.driver_name))
+    else:
+        report(skipped(f"DRA driver {config.driver_name}", f"not checked until {registry} exists"))
+
+
+async def _examine_device_plugin(
+    config: Flags, specs: Sequence[ResourceSpec], report: Callable[[Result], None]
+) -> None:
+    plugin_dir = Path(config.device_plugin_path)
+    directory = check_plugin_dir(plugin_dir)
+    report(directory)
+    if directory.status == "PASS":
+        kubelet = await check_kubelet(plugin_dir)
+    else:
+        kubelet = skipped("kubelet", f"not checked until {plugin_dir} exists")
+    report(kubelet)
+    for spec in specs:
+        if kubelet.status == "PASS":
+            expected = expected_devices(spec, config.host_root)
+            report(await check_plugin(plugin_dir, spec, expected, config.pre_start_check))
+        else:
+            # What the daemon lists matters only to a kubelet that answers.
+            report(skipped(f"plugin {spec.name}", "not checked until kubelet answers"))
 
 
 def main(argv: Sequence[str]) -> NoReturn:
@@ -95,23 +117,26 @@ def main(argv: Sequence[str]) -> NoReturn:
     specs: list[ResourceSpec] = []
     digest = ""
     config_problem = None
+    mode = config.mode or DEFAULT_MODE
     if config.config:
         from pcc_plugin import profiles
 
         try:
-            specs, digest, _ = profiles.load(config.config)
+            specs, digest, file_mode = profiles.load(config.config)
         except profiles.ProfileError as exc:
             config_problem = str(exc)
+        else:
+            mode = config.mode or file_mode or DEFAULT_MODE
     else:
         served = flags.resources(config, PROG)
-        specs, digest = served.specs, served.digest
+        specs, digest, mode = served.specs, served.digest, served.mode
     results: list[Result] = []
 
     def report(result: Result) -> None:
         results.append(result)
         print(result.line(), flush=True)
 
-    trio.run(examine, config, specs, report, digest, config_problem)
+    trio.run(examine, config, specs, report, digest, config_problem, mode)
     counts = collections.Counter(result.status for result in results)
     print(
         f"{counts['PASS']} passed, {counts['WARN']} warned, {counts['FAIL']} failed, "

@@ -72,7 +72,8 @@ class RegistrationService:
 
     def get_info(self, data: bytes, call: Call) -> bytes:
         check_message(data, wire.EMPTY, "InfoRequest")
-        log.log(V1, "Kubelet asked the registration socket who it is (GetInfo)")
+        # Kubelet asks when it finds the socket; the doctor asks too.
+        log.log(V1, "Answered GetInfo on the registration socket")
         return self._info
 
     def notify_registration_status(self, data: bytes, call: Call) -> bytes:

@@ -3,7 +3,8 @@ plugin's checks (cluster.py), from the same operator's copy of ``manifests/``, w
 
 1. install as docs/dra.md says: ``kubectl apply -k manifests/overlays/dra``; the DeviceClass
    accepted as written (its ``extendedResourceName`` kept), the driver's pod ready, the node's
-   ResourceSlice with 16 devices, written by the driver;
+   ResourceSlice with 16 devices, written by the driver; the doctor, run in the driver's pod
+   with its args, passes the DRA driver check;
 2. admission: the driver's own token, pod-bound (read where kubelet mounts it in the pod), may
    write its node's slices and no other node's (the ValidatingAdmissionPolicy); a token of the
    same service account bound to no pod may write none; RBAC gives it nothing else;
@@ -39,6 +40,7 @@ from .cluster import (
     CONSUMER_GRACE,
     CONSUMERS,
     DAEMONSET,
+    DOCTOR,
     SYSTEM,
     Cluster,
     container_id,
@@ -257,6 +259,16 @@ class Dra:
             f"its log says {registered!r}; its ResourceSlice for {NODE_NAME} lists {SHARES} "
             "devices, written by the driver"
         )
+        # The doctor with the pod's own args (`$(NODE_NAME)` unexpanded: it only needs one).
+        (container,) = plugin["spec"]["containers"]
+        name = plugin["metadata"]["name"]
+        doctor = await cluster.kubectl(
+            "-n", SYSTEM, "exec", name, "--", DOCTOR, "doctor", *container.get("args", [])
+        )
+        lines = doctor.strip().splitlines()
+        driver_line = next((line for line in lines if f"DRA driver {DRIVER}:" in line), "")
+        expect(driver_line.startswith("PASS"), f"the doctor in {name}:\n{doctor}")
+        self.report.check(f"kubectl exec {name} -- {DOCTOR} doctor: {lines[-1]} {driver_line}")
         return plugin
 
     async def refused(self, method: str, path: str, body: Obj | None, token: str) -> str:

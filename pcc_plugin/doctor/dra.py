@@ -1,0 +1,99 @@
+"""Checks of --mode=dra: kubelet's plugin registry, the driver's registration and DRA sockets."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from pcc_plugin import grpc_clients
+from pcc_plugin.doctor.kubelet import CHECK_TIMEOUT
+from pcc_plugin.doctor.report import DAEMON_LOG, Result, expect_kind, failed, passed
+from pcc_plugin.dra.driver import REGISTRATION_SUFFIX
+from pcc_plugin.dra.service import DRA_V1, PLUGIN_TYPE
+from pcc_plugin.fs import connect_error
+
+# The driver serves no such method, so a live DRA socket answers UNIMPLEMENTED.
+DRA_PROBE = DRA_V1 + "PccDoctorProbe"
+# driver.socket_paths' name for a driver and token too long for a socket path.
+_HASHED_NAME = re.compile(rf"[0-9a-f]{{16}}{re.escape(REGISTRATION_SUFFIX)}")
+
+
+def check_registry_dir(registry: Path) -> Result:
+    check = "plugin registry dir"
+    problem = expect_kind(
+        check,
+        registry,
+        "a directory",
+        "kubelet creates it at start: check that kubelet runs (systemctl status kubelet) and "
+        "that --kubelet-registry-path is <kubelet's --root-dir>/plugins_registry, mounted from "
+        "the host when the doctor runs in the pod",
+        f"remove it and restart kubelet, which creates the directory (rm {registry}; "
+        "systemctl restart kubelet)",
+    )
+    return problem or passed(check, f"{registry} is a directory")
+
+
+def _registration_sockets(registry: Path, driver: str) -> list[Path]:
+    """The driver's registration sockets that take connections, newest first."""
+    found = []
+    for entry in os.scandir(registry):
+        name = entry.name
+        if not (name.startswith(f"{driver}-") and name.endswith(REGISTRATION_SUFFIX)) and not (
+            _HASHED_NAME.fullmatch(name)
+        ):
+            continue
+        try:
+            status = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISSOCK(status.st_mode) and connect_error(registry / name) is None:
+            found.append((status.st_mtime_ns, registry / name))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+async def check_driver(registry: Path, driver: str) -> Result:
+    """The driver answers GetInfo as kubelet's plugin watcher asks it, and its DRA socket serves."""
+    check = f"DRA driver {driver}"
+    refusals = []
+    for path in _registration_sockets(registry, driver):
+        try:
+            info = await grpc_clients.read_plugin_info(path, CHECK_TIMEOUT)
+        except grpc_clients.CallFailed as exc:
+            refusals.append(f"{path.name}: {exc}")
+            continue
+        if info.name == driver:
+            break
+    else:
+        why = f" ({'; '.join(refusals)})" if refusals else ""
+        return failed(
+            check,
+            f"no registration socket in {registry} answers GetInfo for {driver}{why}",
+            "start the daemon with --mode=dra, or see why it stopped "
+            f"({DAEMON_LOG} --previous); give the doctor the daemon's flags",
+        )
+    if info.type != PLUGIN_TYPE:
+        return failed(
+            check,
+            f"{path.name} says its type is {info.type!r}, not {PLUGIN_TYPE!r}",
+            "something other than this daemon serves that socket: find it and stop it",
+        )
+    endpoint = Path(info.endpoint)
+    problem = connect_error(endpoint)
+    answer = (
+        f"cannot connect: {problem.strerror}"
+        if problem is not None
+        else await grpc_clients.probe_unimplemented(endpoint, DRA_PROBE, CHECK_TIMEOUT)
+    )
+    if answer:
+        return failed(
+            check,
+            f"{path.name} names the DRA socket {endpoint}, which {answer}",
+            f"see the daemon's log ({DAEMON_LOG}) and restart its pod",
+        )
+    return passed(
+        check,
+        f"{path.name} answers for {driver} ({', '.join(info.supported_versions)}); its DRA "
+        f"socket {endpoint} answers",
+    )
