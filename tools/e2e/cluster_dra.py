@@ -53,6 +53,9 @@ from .poll import wait_for
 from .report import Report, now
 from .scenario import DEVICE, RESOURCE, SHARES, expect, make_device
 
+# docs/dra.md's command, run in the driver's pod.
+DRA_DOCTOR = f'exec {DOCTOR} doctor --host-root=/host --mode=dra --node-name="$NODE_NAME"'
+
 DRIVER = "pcc.tke.cloud.tencent.com"
 CDI_DIR = Path("/var/run/cdi")
 RESOURCE_API = "/apis/resource.k8s.io/v1"
@@ -259,12 +262,10 @@ class Dra:
             f"its log says {registered!r}; its ResourceSlice for {NODE_NAME} lists {SHARES} "
             "devices, written by the driver"
         )
-        # The doctor with the pod's own args (`$(NODE_NAME)` unexpanded: it only needs one).
-        (container,) = plugin["spec"]["containers"]
+        # The doctor as docs/dra.md runs it: the pod's args hold `$(NODE_NAME)`, which only
+        # kubelet expands; the container's environment has it.
         name = plugin["metadata"]["name"]
-        doctor = await cluster.kubectl(
-            "-n", SYSTEM, "exec", name, "--", DOCTOR, "doctor", *container.get("args", [])
-        )
+        doctor = await cluster.kubectl("-n", SYSTEM, "exec", name, "--", "sh", "-c", DRA_DOCTOR)
         lines = doctor.strip().splitlines()
         driver_line = next((line for line in lines if f"DRA driver {DRIVER}:" in line), "")
         expect(driver_line.startswith("PASS"), f"the doctor in {name}:\n{doctor}")
