@@ -8,8 +8,8 @@ import stat
 from pathlib import Path
 
 from pcc_plugin import grpc_clients
-from pcc_plugin.doctor.kubelet import CHECK_TIMEOUT
-from pcc_plugin.doctor.report import DAEMON_LOG, Result, expect_kind, failed, passed
+from pcc_plugin.doctor.kubelet import CHECK_TIMEOUT, check_kubelets_dir
+from pcc_plugin.doctor.report import DAEMON_LOG, Result, failed, passed
 from pcc_plugin.dra.driver import REGISTRATION_SUFFIX
 from pcc_plugin.dra.service import DRA_V1, PLUGIN_TYPE
 from pcc_plugin.fs import connect_error
@@ -21,18 +21,12 @@ _HASHED_NAME = re.compile(rf"[0-9a-f]{{16}}{re.escape(REGISTRATION_SUFFIX)}")
 
 
 def check_registry_dir(registry: Path) -> Result:
-    check = "plugin registry dir"
-    problem = expect_kind(
-        check,
+    return check_kubelets_dir(
+        "plugin registry dir",
         registry,
-        "a directory",
         "kubelet creates it at start: check that kubelet runs (systemctl status kubelet) and "
-        "that --kubelet-registry-path is <kubelet's --root-dir>/plugins_registry, mounted from "
-        "the host when the doctor runs in the pod",
-        f"remove it and restart kubelet, which creates the directory (rm {registry}; "
-        "systemctl restart kubelet)",
+        "that --kubelet-registry-path is <kubelet's --root-dir>/plugins_registry",
     )
-    return problem or passed(check, f"{registry} is a directory")
 
 
 def _registration_sockets(registry: Path, driver: str) -> list[Path]:

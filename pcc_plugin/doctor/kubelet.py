@@ -24,16 +24,20 @@ _KUBELET_CREATES_IT = (
 
 
 def check_plugin_dir(plugin_dir: Path) -> Result:
-    check = "device-plugin dir"
+    return check_kubelets_dir("device-plugin dir", plugin_dir, _KUBELET_CREATES_IT)
+
+
+def check_kubelets_dir(check: str, directory: Path, missing_fix: str) -> Result:
+    """A directory kubelet creates at start, seen from where the doctor runs."""
     problem = expect_kind(
         check,
-        plugin_dir,
+        directory,
         "a directory",
-        f"{_KUBELET_CREATES_IT}, mounted from the host when the doctor runs in the pod",
-        f"remove it and restart kubelet, which creates the directory (rm {plugin_dir}; "
+        f"{missing_fix}, mounted from the host when the doctor runs in the pod",
+        f"remove it and restart kubelet, which creates the directory (rm {directory}; "
         "systemctl restart kubelet)",
     )
-    return problem or passed(check, f"{plugin_dir} is a directory")
+    return problem or passed(check, f"{directory} is a directory")
 
 
 async def check_kubelet(plugin_dir: Path) -> Result:
