@@ -222,7 +222,8 @@ async def test_recovers_when_the_plugin_dir_is_removed_and_recreated(
         daemon = start_daemon(*fake_node.daemon_args())
         await serving(kubelet)
         await run_blocking(kubelet.stop)
-        shutil.rmtree(fake_node.plugin_dir)
+        # Moved away in one step: the daemon may be serving a fresh socket in it meanwhile.
+        shutil.rmtree(fake_node.plugin_dir.rename(fake_node.plugin_dir.with_name("removed")))
         await log_line(daemon, f"Waiting for {fake_node.plugin_dir} to be created")
         await run_blocking(kubelet.start)
         await serving(kubelet, registrations=2)

@@ -166,7 +166,8 @@ async def remove_pcc_dir(node: Node) -> None:
 
 async def remove_plugin_dir(node: Node) -> None:
     await run_blocking(node.kubelet.stop)
-    shutil.rmtree(node.fake.plugin_dir)
+    # Moved away in one step: the daemon may be serving a fresh socket in it meanwhile.
+    shutil.rmtree(node.fake.plugin_dir.rename(node.fake.plugin_dir.with_name("removed")))
     await run_blocking(node.daemon.wait_for_log, "to be created", 10.0)
 
 

@@ -293,7 +293,10 @@ async def test_plugin_dir_removed_under_a_running_kubelet_and_recreated(
     with trio.fail_after(30):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
         await serving(kubelet)
-        shutil.rmtree(plugin_dir)
+        # Taken out of its path in one step: removed file by file, the daemon may serve a new
+        # socket in it (its own was removed) before the last rmdir.
+        removed = plugin_dir.rename(plugin_dir.with_name("removed"))
+        shutil.rmtree(removed)
         await log_line(daemon, f"Waiting for {plugin_dir} to be created")
         plugin_dir.mkdir(mode=0o750)
         await log_line(daemon, f"Waiting for kubelet: {plugin_dir}/kubelet.sock does not exist")
