@@ -181,6 +181,7 @@ class Connection:
     def __init__(self) -> None:
         self.number = next(self._numbers)
         self.requests = 0
+        # Bytes received, counted up to the HTTP/2 preface.
         self.received = 0
         self.last_active = trio.current_time()
         self.transport: asyncio.Transport | None = None
@@ -215,10 +216,10 @@ class Connection:
     # asyncio's side
 
     def data_received(self, size: int) -> None:
-        greeted = self.greeted
-        self.received += size
-        if self.greeted and not greeted:
-            self._notify()
+        if self.received < PREFACE_BYTES:
+            self.received += size
+            if self.received >= PREFACE_BYTES:
+                self._notify()
 
     def call_began(self, task: asyncio.Task[Any]) -> None:
         self.requests += 1
