@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import re
-import stat
 from pathlib import Path
 
 from pcc_plugin import grpc_clients
-from pcc_plugin.doctor.kubelet import CHECK_TIMEOUT, check_kubelets_dir
+from pcc_plugin.doctor.kubelet import CHECK_TIMEOUT, check_kubelets_dir, sockets_newest_first
 from pcc_plugin.doctor.report import DAEMON_LOG, Result, failed, passed
-from pcc_plugin.dra.driver import REGISTRATION_SUFFIX
+from pcc_plugin.dra.driver import is_registration_socket
 from pcc_plugin.dra.service import DRA_V1, PLUGIN_TYPE
 from pcc_plugin.fs import connect_error
 
 # The driver serves no such method, so a live DRA socket answers UNIMPLEMENTED.
 DRA_PROBE = DRA_V1 + "PccDoctorProbe"
-# driver.socket_paths' name for a driver and token too long for a socket path.
-_HASHED_NAME = re.compile(rf"[0-9a-f]{{16}}{re.escape(REGISTRATION_SUFFIX)}")
 
 
 def check_registry_dir(registry: Path) -> Result:
@@ -29,29 +24,13 @@ def check_registry_dir(registry: Path) -> Result:
     )
 
 
-def _registration_sockets(registry: Path, driver: str) -> list[Path]:
-    """The driver's registration sockets that take connections, newest first."""
-    found = []
-    for entry in os.scandir(registry):
-        name = entry.name
-        if not (name.startswith(f"{driver}-") and name.endswith(REGISTRATION_SUFFIX)) and not (
-            _HASHED_NAME.fullmatch(name)
-        ):
-            continue
-        try:
-            status = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISSOCK(status.st_mode) and connect_error(registry / name) is None:
-            found.append((status.st_mtime_ns, registry / name))
-    return [path for _, path in sorted(found, reverse=True)]
-
-
 async def check_driver(registry: Path, driver: str) -> Result:
     """The driver answers GetInfo as kubelet's plugin watcher asks it, and its DRA socket serves."""
     check = f"DRA driver {driver}"
     refusals = []
-    for path in _registration_sockets(registry, driver):
+    for path in sockets_newest_first(registry, lambda name: is_registration_socket(name, driver)):
+        if connect_error(path) is not None:
+            continue  # left by a driver that was killed
         try:
             info = await grpc_clients.read_plugin_info(path, CHECK_TIMEOUT)
         except grpc_clients.CallFailed as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from pcc_plugin import grpc_clients
@@ -101,11 +102,11 @@ def _devices(count: int) -> str:
     return f"{count} device" if count == 1 else f"{count} devices"
 
 
-def _daemon_socket(plugin_dir: Path, spec: ResourceSpec) -> tuple[Path | None, int]:
-    """The newest of the resource's sockets that takes connections, and how many are stale."""
+def sockets_newest_first(directory: Path, named: Callable[[str], bool]) -> list[Path]:
+    """The sockets in `directory` whose names are `named`, newest first."""
     sockets = []
-    for entry in os.scandir(plugin_dir):
-        if not is_own_socket(spec.socket_prefix, entry.name):
+    for entry in os.scandir(directory):
+        if not named(entry.name):
             continue
         try:
             status = entry.stat(follow_symlinks=False)
@@ -113,9 +114,16 @@ def _daemon_socket(plugin_dir: Path, spec: ResourceSpec) -> tuple[Path | None, i
             # A restarting daemon removes its old socket.
             continue
         if stat.S_ISSOCK(status.st_mode):
-            sockets.append((status.st_mtime_ns, plugin_dir / entry.name))
+            sockets.append((status.st_mtime_ns, directory / entry.name))
+    return [path for _, path in sorted(sockets, reverse=True)]
+
+
+def _daemon_socket(plugin_dir: Path, spec: ResourceSpec) -> tuple[Path | None, int]:
+    """The newest of the resource's sockets that takes connections, and how many are stale."""
     stale = 0
-    for _, path in sorted(sockets, reverse=True):
+    for path in sockets_newest_first(
+        plugin_dir, lambda name: is_own_socket(spec.socket_prefix, name)
+    ):
         if connect_error(path) is None:
             return path, stale
         stale += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,14 @@ def socket_paths(config: Flags) -> tuple[Path, Path]:
     if len(os.fsencode(dra)) > MAX_SOCKET_PATH_BYTES:
         dra = state_dir(config) / f"dra-{digest}.sock"
     return registration, dra
+
+
+def is_registration_socket(name: str, driver: str) -> bool:
+    """Whether `name` is a registration socket `socket_paths` names for `driver`, or a hashed
+    one (whose driver only its GetInfo tells)."""
+    if name.startswith(f"{driver}-") and name.endswith(REGISTRATION_SUFFIX):
+        return True
+    return re.fullmatch(rf"[0-9a-f]{{16}}{re.escape(REGISTRATION_SUFFIX)}", name) is not None
 
 
 def socket_path_problem(config: Flags) -> str | None:
