@@ -117,6 +117,15 @@ def ready(pod: Obj) -> bool:
     return condition(pod, "Ready")
 
 
+def every_share_taken(pods: list[Obj]) -> tuple[list[Obj], Obj] | None:
+    """The running pods and the one left unscheduled, once `SHARES` run and one waits."""
+    running = [p for p in pods if phase(p) == "Running"]
+    pending = [p for p in pods if phase(p) == "Pending" and not p["spec"].get("nodeName")]
+    if len(running) == SHARES and len(pending) == 1:
+        return running, pending[0]
+    return None
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -392,11 +401,7 @@ class Cluster:
         def placed() -> tuple[list[Obj], Obj] | None:
             found = self.deployed()
             expect(not any(refused(p) for p in found), f"kubelet refused a consumer: {found}")
-            running = [p for p in found if phase(p) == "Running"]
-            pending = [p for p in found if phase(p) == "Pending" and not p["spec"].get("nodeName")]
-            if len(running) == SHARES and len(pending) == 1:
-                return running, pending[0]
-            return None
+            return every_share_taken(found)
 
         running, pending = await self.pods.until(
             f"{SHARES} consumers running, 1 pending", placed, 180

@@ -44,6 +44,7 @@ from .cluster import (
     SYSTEM,
     Cluster,
     container_id,
+    every_share_taken,
     phase,
     ready,
 )
@@ -327,16 +328,10 @@ class Dra:
         for name in names:
             await self.create(name)
 
-        def placed() -> tuple[list[Obj], Obj] | None:
-            found = self.claim_pods()
-            running = [p for p in found if phase(p) == "Running"]
-            pending = [p for p in found if phase(p) == "Pending" and not p["spec"].get("nodeName")]
-            if len(running) == SHARES and len(pending) == 1:
-                return running, pending[0]
-            return None
-
         running, pending = await cluster.pods.until(
-            f"{SHARES} claim pods running, 1 pending", placed, 180
+            f"{SHARES} claim pods running, 1 pending",
+            lambda: every_share_taken(self.claim_pods()),
+            180,
         )
         self.report.figure(f"dra: {SHARES} more claim pods created → all shares in use",
                            now() - created)  # fmt: skip
