@@ -406,6 +406,11 @@ class Served:
     mode: str
 
 
+def served_mode(config: Flags, file_mode: str | None = None) -> str:
+    """The mode: --mode, else the --config file's `mode` key, else the default."""
+    return config.mode or file_mode or DEFAULT_MODE
+
+
 def resources(config: Flags, prog: str) -> Served:
     """What to serve: the file's resources with --config, else the PCC profile from the flags,
     in the mode --mode or the file's `mode` key gives.
@@ -414,7 +419,7 @@ def resources(config: Flags, prog: str) -> Served:
     usage error: one line naming the flag or the file and key.
     """
     if not config.config:
-        served = Served([config.pcc_resource()], "flags", config.mode or DEFAULT_MODE)
+        served = Served([config.pcc_resource()], "flags", served_mode(config))
     else:
         # Imported only now: the YAML parser is not needed without --config.
         from pcc_plugin import profiles
@@ -429,7 +434,7 @@ def resources(config: Flags, prog: str) -> Served:
                 f"--mode: {config.mode} disagrees with mode {file_mode} in {config.config}; "
                 "give one of them",
             )
-        served = Served(specs, digest, config.mode or file_mode or DEFAULT_MODE)
+        served = Served(specs, digest, served_mode(config, file_mode))
     if served.mode == "dra":
         problem = dra_problem(config, served.specs)
         if problem:

@@ -117,7 +117,7 @@ def main(argv: Sequence[str]) -> NoReturn:
     specs: list[ResourceSpec] = []
     digest = ""
     config_problem = None
-    mode = config.mode or DEFAULT_MODE
+    mode = flags.served_mode(config)
     if config.config:
         from pcc_plugin import profiles
 
@@ -126,7 +126,7 @@ def main(argv: Sequence[str]) -> NoReturn:
         except profiles.ProfileError as exc:
             config_problem = str(exc)
         else:
-            mode = config.mode or file_mode or DEFAULT_MODE
+            mode = flags.served_mode(config, file_mode)
     else:
         served = flags.resources(config, PROG)
         specs, digest, mode = served.specs, served.digest, served.mode
