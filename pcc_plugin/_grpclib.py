@@ -1,4 +1,5 @@
-"""grpclib beyond its documented API: three names, each for a bound grpclib cannot keep.
+"""grpclib beyond its documented API: four names, three for a bound grpclib cannot keep, one
+to know a failure of its client that would otherwise look like a bug of ours.
 
 grpclib 0.4 serves only connections that asyncio accepts for it, answers a call to an unknown
 method without naming it, and reads a request message whole, at whatever size its prefix
@@ -10,9 +11,12 @@ otherwise, and get it here, and nowhere else:
 - `Server._mapping`: the method table, given a fallback that answers an unknown path
   UNIMPLEMENTED, naming it (grpclib says only "Method not found");
 - `Stream._stream`: the call's HTTP/2 stream, whose `recv_data(n)` reads exactly n bytes of
-  the request, so that the 5-byte prefix is read and checked before the message behind it.
+  the request, so that the 5-byte prefix is read and checked before the message behind it;
+- `_transport`, in a client's AttributeError: a connection the peer closed between its set-up
+  and the call's first stream (a kubelet going down as the plugin registers) fails so, not
+  with a connection error; `lost_before_the_call` tells it apart from any other.
 
-tests/test_library_contracts.py pins all three, and pyproject.toml allows only the grpclib
+tests/test_library_contracts.py pins all four, and pyproject.toml allows only the grpclib
 versions it passes on. Everything else (HTTP/2, headers, grpc-timeout, trailers) is grpclib's
 public server.
 """
@@ -115,3 +119,9 @@ async def receive_exactly(stream: ServerStream, size: int) -> bytes:
     except AssertionError:
         # grpclib's buffer says so when the stream ended short of `size`.
         raise StreamEnded(f"the stream ended before the {size} bytes announced") from None
+
+
+def lost_before_the_call(error: AttributeError) -> bool:
+    """Whether grpclib's client raised `error` for a connection lost before the call began
+    (it deletes a closed connection's transport, then reads it to open the stream)."""
+    return error.name == "_transport"

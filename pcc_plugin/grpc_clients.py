@@ -3,14 +3,16 @@ or DRA driver."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import grpclib.client
 import grpclib.const
 import grpclib.encoding.proto
 import grpclib.exceptions
 
+from pcc_plugin import _grpclib
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.bridge import call_asyncio
 
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
     from pcc_plugin._proto import pluginregistration
 
 Status = grpclib.const.Status
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # The peer is not there, or went away mid-call.
 _UNREACHABLE = (
@@ -25,6 +29,17 @@ _UNREACHABLE = (
     grpclib.exceptions.StreamTerminatedError,
     grpclib.exceptions.ProtocolError,
 )
+
+
+async def _call(function: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`function` (grpclib's, or ours on a grpclib channel) run on the asyncio side; a
+    connection the peer closed before the call began fails as a connection error."""
+    try:
+        return await call_asyncio(function, *args, **kwargs)
+    except AttributeError as exc:
+        if _grpclib.lost_before_the_call(exc):
+            raise ConnectionResetError("the connection was closed before the call began") from None
+        raise
 
 
 def _channel(socket_path: Path) -> grpclib.client.Channel:
@@ -49,7 +64,7 @@ async def register(kubelet_socket: Path, request: api.RegisterRequest, deadline:
     channel = _channel(kubelet_socket)
     try:
         stub = api.RegistrationStub(channel)
-        await call_asyncio(stub.register, request, timeout=deadline)
+        await _call(stub.register, request, timeout=deadline)
     except grpclib.exceptions.GRPCError as exc:
         raise RegisterFailed(f"kubelet answered {exc.status.name}: {exc.message}") from None
     except TimeoutError:
@@ -74,7 +89,7 @@ async def probe_unimplemented(socket_path: Path, method: str, deadline: float) -
     channel = _channel(socket_path)
     call = grpclib.client.UnaryUnaryMethod(channel, method, api.Empty, api.Empty)
     try:
-        await call_asyncio(call, api.Empty(), timeout=deadline)
+        await _call(call, api.Empty(), timeout=deadline)
     except grpclib.exceptions.GRPCError as exc:
         if exc.status is Status.UNIMPLEMENTED:
             return None
@@ -99,9 +114,9 @@ async def read_device_plugin(
     stub = api.DevicePluginStub(channel)
     step = "GetDevicePluginOptions"
     try:
-        options = await call_asyncio(stub.get_device_plugin_options, api.Empty(), timeout=deadline)
+        options = await _call(stub.get_device_plugin_options, api.Empty(), timeout=deadline)
         step = "ListAndWatch"
-        listing = await call_asyncio(_first_listing, channel, deadline)
+        listing = await _call(_first_listing, channel, deadline)
     except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
         raise _call_failed(step, exc, deadline) from None
     finally:
@@ -122,7 +137,7 @@ async def read_plugin_info(socket_path: Path, deadline: float) -> pluginregistra
     channel = _channel(socket_path)
     try:
         stub = registration.RegistrationStub(channel)
-        return await call_asyncio(stub.get_info, registration.InfoRequest(), timeout=deadline)
+        return await _call(stub.get_info, registration.InfoRequest(), timeout=deadline)
     except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
         raise _call_failed("GetInfo", exc, deadline) from None
     finally:
@@ -161,7 +176,7 @@ async def follow_list_and_watch(socket_path: Path) -> tuple[bool, str]:
     channel = _channel(socket_path)
     received: list[bool] = []
     try:
-        await call_asyncio(_read_until_the_end, channel, received)
+        await _call(_read_until_the_end, channel, received)
     except grpclib.exceptions.GRPCError as exc:
         return bool(received), f"its stream ended with {exc.status.name}"
     except _UNREACHABLE as exc:

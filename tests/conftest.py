@@ -29,6 +29,10 @@
     server (the Node ``node-a``) and the simulated kubelet's DRA side on its plugins_registry;
     ``dra_node.daemon_args()`` gives the daemon's flags for them.
 
+``closing_socket``
+    The path of a unix socket whose server closes every connection as soon as it accepts it,
+    as a kubelet going down does; in a short directory under /tmp.
+
 ``start_daemon``
     ``start_daemon(*args, env=None) -> Daemon`` runs ``python -m pcc_plugin *args`` in its own
     session, with ``env`` merged into the environment and its output in a log file; the whole
@@ -43,6 +47,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import socket
+import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -92,6 +99,29 @@ def kubelet(request: pytest.FixtureRequest, fake_node: FakeNode) -> Iterator[Sim
 def any_kubelet(request: pytest.FixtureRequest, fake_node: FakeNode) -> Iterator[SimKubelet]:
     with make_kubelet(fake_node, request.param) as sim:
         yield sim
+
+
+@pytest.fixture
+def closing_socket() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="pcc-", dir="/tmp") as directory:
+        path = Path(directory) / "closing.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(64)
+
+        def close_each() -> None:
+            with contextlib.suppress(OSError):  # the listener closed: done
+                while True:
+                    listener.accept()[0].close()
+
+        closer = threading.Thread(target=close_each, name="closing-socket", daemon=True)
+        closer.start()
+        try:
+            yield path
+        finally:
+            listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+            closer.join(timeout=5)
 
 
 @pytest.fixture
