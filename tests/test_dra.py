@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,11 @@ from raw_clients import closed_by_server, connect
 from pcc_plugin import flags, grpc_server
 from pcc_plugin.dra import claims, slices
 from pcc_plugin.dra import service as dra_service
-from pcc_plugin.dra.driver import socket_paths
+from pcc_plugin.dra.driver import remove_stale_sockets, socket_paths, state_dir
 from pcc_plugin.flags import PROG, Flags
 from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.resource import Device, pcc_resource
-from pcc_plugin.sim import StartDaemon, run_blocking
+from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
 from pcc_plugin.sim import dra as sim_dra
 from pcc_plugin.sim.dra import SimDraKubelet
 from pcc_plugin.stats import ResourceStats
@@ -428,6 +429,35 @@ def test_socket_names_are_the_pods_own_and_fit_a_unix_socket() -> None:
     registration, dra = socket_paths(Flags(pod_uid=uid, driver_name=long_driver))
     assert len(os.fsencode(registration)) <= 107
     assert re.fullmatch(r"[0-9a-f]{16}-reg\.sock", registration.name)
+
+
+def test_dead_registration_sockets_are_removed_hashed_names_too(fake_node: FakeNode) -> None:
+    """A killed instance leaves its sockets; one with a driver name too long for a plain
+    socket name left a hashed one, which kubelet's plugin watcher would keep dialling."""
+    registry, plugins = fake_node.root / "registry", fake_node.root / "plugins"
+    long_driver = "d" * 30 + "." + "e" * 30
+    config = Flags(driver_name=long_driver, kubelet_registry_path=str(registry),
+                   kubelet_plugins_path=str(plugins))  # fmt: skip
+    state_dir(config).mkdir(parents=True)
+    registry.mkdir()
+    dead = [
+        registry / f"{long_driver}-dead-reg.sock",
+        registry / "0123456789abcdef-reg.sock",
+        state_dir(config) / "dra-dead.sock",
+    ]
+    for path in dead:
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(str(path))  # closed without unlinking: nothing serves it
+    kept = [registry / "fedcba9876543210-reg.sock", registry / "other.example.com-x-reg.sock"]
+    with socket.socket(socket.AF_UNIX) as live, socket.socket(socket.AF_UNIX) as other:
+        live.bind(str(kept[0]))
+        live.listen()
+        other.bind(str(kept[1]))  # another driver's: not ours to judge
+        (registry / "ffffffffffffffff-reg.sock").write_text("not a socket")
+        kept.append(registry / "ffffffffffffffff-reg.sock")
+        remove_stale_sockets(config)
+    left = [p for d in (registry, plugins) for p in d.rglob("*") if not p.is_dir()]
+    assert sorted(left) == sorted(kept)
 
 
 @pytest.mark.parametrize(

@@ -83,12 +83,15 @@ def socket_path_problem(config: Flags) -> str | None:
 
 
 def remove_stale_sockets(config: Flags) -> None:
-    """Sockets of earlier instances of this driver that nothing serves (one that was killed)."""
+    """Sockets of earlier instances of this driver that nothing serves (one that was killed).
+
+    A hashed registration name does not say whose it is; one nothing serves is dead whoever
+    left it, and kubelet's plugin watcher would dial it at every kubelet start."""
     registry = Path(config.kubelet_registry_path)
     stale = [
         path
-        for path in registry.glob(f"{config.driver_name}-*{REGISTRATION_SUFFIX}")
-        if path.is_socket()
+        for path in registry.glob(f"*{REGISTRATION_SUFFIX}")
+        if is_registration_socket(path.name, config.driver_name) and path.is_socket()
     ]
     stale += [path for path in state_dir(config).glob("dra-*.sock") if path.is_socket()]
     for path in stale:
