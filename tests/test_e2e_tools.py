@@ -16,6 +16,7 @@ import pytest
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from e2e import __main__ as e2e_main
 from e2e import builds, harness, kubelet_log
 from e2e.node import Daemon
 
@@ -128,3 +129,13 @@ def test_failed_checks_are_told_from_errors_also_in_nurseries() -> None:
     assert [str(f) for f in harness.check_failures(grouped)] == ["check failed"]
     assert harness.check_failures(ExceptionGroup("nursery", [failed, KeyError("bug")])) == []
     assert harness.check_failures(RuntimeError("bug")) == []
+
+
+def test_more_race_rounds_than_shares_for_kept_pods_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Kept, the 16th round's pod would find every share held and be refused for that."""
+    with pytest.raises(SystemExit) as exited:
+        e2e_main.main(["--plugin-image", "unused.tar", "--race=16"])
+    assert exited.value.code == 2
+    assert "--race: at most 15 with the race pods kept" in capsys.readouterr().err

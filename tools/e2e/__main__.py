@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         plugin_references[0],
     ]  # fmt: skip
     if not cluster:
-        argv += [*(f"--variant={v}" for v in args.variant or ()), f"--race={args.race}"]
+        argv += [*(f"--variant={v}" for v in args.variant or ()), f"--race={args.race}",
+                 f"--race-pods={args.race_pods}"]  # fmt: skip
     code = 1
     try:
         code = _wait_interruptibly(subprocess.Popen(argv, env=dict(os.environ)))
@@ -169,6 +170,8 @@ def inside(args: argparse.Namespace) -> int:
 
 # Kubelet restarts per variant in the race check (scenario.Variant.race); issue 26's protocol.
 RACE_ROUNDS = 10
+# Kept race pods each hold one of the 16 shares, and consumer-1 holds another.
+RACE_ROUNDS_KEPT_AT_MOST = 15
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,6 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--race", type=int, default=RACE_ROUNDS, metavar="N",
             help=f"kubelet restarts per variant in the race check (default {RACE_ROUNDS})",
         )  # fmt: skip
+        commands.choices[name].add_argument(
+            "--race-pods", choices=("kept", "removed"), default="kept",
+            help="keep each race pod until the check ends (default; at most "
+            f"{RACE_ROUNDS_KEPT_AT_MOST} rounds), or remove it before the next round",
+        )  # fmt: skip
     for name in ("run", "cluster"):
         commands.choices[name].add_argument("--keep-logs", action="store_true")
     inner = commands.choices["inside"]
@@ -205,6 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments and arguments[0].startswith("--"):
         arguments.insert(0, "run")
     args = parser.parse_args(arguments)
+    if args.command == "run" and args.race_pods == "kept" and args.race > RACE_ROUNDS_KEPT_AT_MOST:
+        parser.error(
+            f"--race: at most {RACE_ROUNDS_KEPT_AT_MOST} with the race pods kept (each holds a "
+            "share); use --race-pods=removed for more"
+        )
     if args.command == "preflight":
         problems = preflight(args.cluster)
         for problem in problems:

@@ -161,7 +161,7 @@ async def main(args: argparse.Namespace) -> int:
                     await start_node(node, args, report)
                     await scenario.run(
                         node, report, args.variant or list(scenario.VARIANTS), args.race,
-                        reset=lambda: reset_node(node),
+                        args.race_pods == "removed", reset=lambda: reset_node(node),
                     )  # fmt: skip
                 else:
                     from . import cluster
