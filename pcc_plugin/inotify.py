@@ -76,14 +76,12 @@ def _announce_wait(path: Path) -> None:
 async def wait_for_directory(path: Path) -> None:
     """Return once `path` is a directory, watching its nearest existing ancestor meanwhile."""
     announced = False
-    while True:
+    # Looked up before any inotify is opened: the directory is there at every kubelet restart.
+    while (ancestor := nearest_existing_dir(path)) != path:
+        if not announced:
+            _announce_wait(path)
+            announced = True
         with open_inotify() as inotify:
-            ancestor = nearest_existing_dir(path)
-            if ancestor == path:
-                return
-            if not announced:
-                _announce_wait(path)
-                announced = True
             try:
                 inotify.add_watch(ancestor, APPEARED | DIR_GONE | Mask.ONLYDIR)
             except (FileNotFoundError, NotADirectoryError):
