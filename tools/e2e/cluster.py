@@ -31,8 +31,10 @@ with the time since the start, and figures:
 6. kubelet restarted three times with consumers running: they keep their containers and devices,
    allocatable is back within a second of kubelet's device plugin registration server; the
    plugin's pod deleted: the DaemonSet makes a new one, registered again;
-7. ``kubectl delete -k manifests/base``: the plugin's pod gone, 0 allocatable;
-8. the DRA mode on the same cluster (cluster_dra.py): ``manifests/overlays/dra`` applied, claims
+7. the migration to the DRA mode and back, as docs/dra.md says (cluster_dra.py), with the
+   consumers running: they keep their containers and devices both ways;
+8. ``kubectl delete -k manifests/base``: the plugin's pod gone, 0 allocatable;
+9. the DRA mode on the same cluster (cluster_dra.py): ``manifests/overlays/dra`` applied, claims
    served, the extended resource served by the driver, the device withdrawn and back, kubelet
    and the driver restarted with claims prepared, the admission policy with real tokens.
 """
@@ -759,10 +761,10 @@ class Cluster:
             f"again ({SHARES} allocatable) and ready"
         )
 
-    # 7.
+    # 8.
 
     async def uninstall(self) -> None:
-        self.report.variant = "7 uninstall"
+        self.report.variant = "8 uninstall"
         deleted = now()
         await self.kubectl("delete", "-k", str(self.manifests / "base"))
         await self.pods.until(
@@ -864,6 +866,7 @@ async def run(
         await cluster.overlays()
         await cluster.observability()
         await cluster.kubelet_restarts()
+        await cluster_dra.migrate_and_back(cluster, watches["slices"], watches["claims"])
         await cluster.uninstall()
         await cluster_dra.run(cluster, watches["slices"], watches["claims"])
         nursery.cancel_scope.cancel()

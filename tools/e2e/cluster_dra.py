@@ -1,5 +1,13 @@
-"""Check 8 of ``nox -s cluster``: the DRA mode (docs/dra.md) on the same cluster, after the device
-plugin's checks (cluster.py), from the same operator's copy of ``manifests/``, with kubectl:
+"""Checks 7 and 9 of ``nox -s cluster``: the DRA mode (docs/dra.md) on the same cluster as the
+device plugin's checks (cluster.py), from the same operator's copy of ``manifests/``, with kubectl.
+
+Check 7, the migration, on the device plugin's install with its consumers running: the overlay
+applied over the base, the driver ready and its devices published, the device plugin gone, the
+consumers keeping their containers and devices (one still writes the device); the base applied
+again, the device plugin back with 16 allocatable, the consumers kept again, and kubelet deleting
+the driver's slices.
+
+Check 9, after the device plugin's uninstall (check 8):
 
 1. install as docs/dra.md says: ``kubectl apply -k manifests/overlays/dra``; the DeviceClass
    accepted as written (its ``extendedResourceName`` kept), the driver's pod ready, the node's
@@ -52,7 +60,7 @@ from .kube import Obj, Watch
 from .node import NODE_NAME
 from .poll import wait_for
 from .report import Report, now
-from .scenario import DEVICE, RESOURCE, SHARES, expect, make_device
+from .scenario import DEVICE, RESOURCE, SHARES, expect, make_device, wait_allocatable
 
 # docs/dra.md's command, run in the driver's pod.
 DRA_DOCTOR = f'exec {DOCTOR} doctor --host-root=/host --mode=dra --node-name="$NODE_NAME"'
@@ -226,10 +234,67 @@ class Dra:
         expect(named == [wanted], f"containerd.log: {words}{named}, not {wanted}")
         return wanted
 
-    # 8.1 and 8.2
+    # 7.
+
+    async def migration(self) -> None:
+        """docs/dra.md's migration, there and back, with the device plugin's consumers running."""
+        self.report.variant = "7 migration"
+        cluster = self.cluster
+        running = [p for p in cluster.deployed() if phase(p) == "Running"]
+        expect(bool(running), "no device-plugin consumer runs to migrate with")
+        containers = {container_id(p) for p in running}
+        names = {p["metadata"]["name"] for p in running}
+        devices = {n: ids for n, ids in (await cluster.held_by_consumers()).items() if n in names}
+
+        async def consumers_kept(what: str) -> None:
+            tasks = await cluster.node.tasks()
+            still = {c for c in containers if tasks.get(c, (0, ""))[1] == "RUNNING"}
+            expect(still == containers, f"{what}: containers gone: {containers - still}")
+
+            async def same_devices() -> bool | None:
+                held = await cluster.held_by_consumers()
+                return True if {n: held.get(n) for n in devices} == devices else None
+
+            await wait_for(f"{what}: the consumers' devices", same_devices, 60)
+            await cluster.check_in_consumer(running[0])
+
+        (plugin,) = cluster.plugin_pods()
+        applied = now()
+        await cluster.kubectl("apply", "-k", str(cluster.manifests / "overlays" / "dra"))
+        driver = await cluster.wait_rolled_out("the DRA driver's pod ready", plugin)
+        await self.wait_published("the driver, over the device plugin", SHARES)
+        self.report.figure(f"migration: apply → {SHARES} devices in the ResourceSlice",
+                           now() - applied)  # fmt: skip
+        await wait_allocatable("the device plugin replaced", 0)
+        await consumers_kept("migrated to DRA")
+        self.report.check(
+            f"kubectl apply -k manifests/overlays/dra over the base: the driver "
+            f"{driver['metadata']['name']} ready and {SHARES} devices published, the device "
+            f"plugin gone (0 allocatable); {len(running)} consumers kept their containers and "
+            f"devices ({running[0]['metadata']['name']} still writes {DEVICE})"
+        )
+
+        back = now()
+        await cluster.kubectl("apply", "-k", str(cluster.manifests / "base"))
+        plugin = await cluster.wait_rolled_out("the device plugin's pod ready", driver)
+        await wait_allocatable("the device plugin back", SHARES)
+        self.report.figure(f"way back: apply → {SHARES} allocatable", now() - back)
+        await consumers_kept("back to the device plugin")
+        gone = now()
+        await self.slices.until(
+            "kubelet deleted the driver's slices", lambda: True if not self.pool() else None, 90
+        )
+        self.report.figure("way back: driver gone → its slices deleted", now() - gone)
+        self.report.check(
+            f"kubectl apply -k manifests/base over the overlay: {plugin['metadata']['name']} "
+            f"ready, {SHARES} allocatable; the consumers kept their containers and devices; "
+            "kubelet deleted the driver's slices"
+        )
+
+    # 9.1 and 9.2
 
     async def install(self) -> Obj:
-        self.report.variant = "8 dra install"
+        self.report.variant = "9 dra install"
         cluster = self.cluster
         overlay = cluster.manifests / "overlays" / "dra"
         applied = now()
@@ -283,7 +348,7 @@ class Dra:
         raise AssertionError(f"{method} {path} with the driver's token: allowed")
 
     async def admission(self, plugin: Obj) -> None:
-        self.report.variant = "8 dra admission"
+        self.report.variant = "9 dra admission"
         token = service_account_token(plugin)
         dry_run = f"{SLICES}?dryRun=All"
         await self.cluster.server.call("POST", dry_run, probe_slice(NODE_NAME), token=token)
@@ -301,10 +366,10 @@ class Dra:
             await self.refused("GET", path, None, token)
         self.report.check("RBAC: the driver's token may not list secrets or pods")
 
-    # 8.3 and 8.4
+    # 9.3 and 9.4
 
     async def claims_served(self) -> None:
-        self.report.variant = "8 dra claims"
+        self.report.variant = "9 dra claims"
         cluster = self.cluster
         templates = f"/apis/resource.k8s.io/v1/namespaces/{CONSUMERS}/resourceclaimtemplates"
         await cluster.server.call("POST", templates, self.claim_template)
@@ -362,10 +427,10 @@ class Dra:
             f"{victim} deleted: its claim unprepared ({spec.name} removed); {pending_name} runs"
         )
 
-    # 8.5
+    # 9.5
 
     async def extended_resource(self) -> None:
-        self.report.variant = "8 dra extended"
+        self.report.variant = "9 dra extended"
         cluster = self.cluster
         await self.delete(self.claim_pods()[0])
         name = "extended-1"
@@ -385,10 +450,10 @@ class Dra:
             f"DeviceClass's extendedResourceName (claim {claim_name(pod)}, {spec_path(uid).name})"
         )
 
-    # 8.6
+    # 9.6
 
     async def device_removed(self) -> None:
-        self.report.variant = "8 dra device"
+        self.report.variant = "9 dra device"
         cluster = self.cluster
         spec = await self.delete(self.claim_pods()[0])
         await self.gone("a share freed", spec)
@@ -426,7 +491,7 @@ class Dra:
         self.report.figure("dra: device restored → the Pending pod running", now() - restored)
         self.report.check(f"{DEVICE} restored: {SHARES} devices listed again; {name} runs")
 
-    # 8.7
+    # 9.7
 
     async def kept(self, pods: list[Obj], before: dict[str, Any], what: str) -> None:
         """The pods still run in the same containers, with the same devices (as kubelet lists
@@ -450,7 +515,7 @@ class Dra:
         await self.cluster.check_in_consumer(pods[0])
 
     async def restarts(self) -> None:
-        self.report.variant = "8 dra restarts"
+        self.report.variant = "9 dra restarts"
         cluster = self.cluster
         running = [p for p in self.claim_pods() if phase(p) == "Running"]
         held = await self.held()
@@ -515,8 +580,13 @@ class Dra:
         return None if f"{CONSUMERS}/{name}" in self.cluster.pods.current else True
 
 
+async def migrate_and_back(cluster: Cluster, slices: Watch, claims: Watch) -> None:
+    """Check 7, on the device plugin's cluster with its consumers running."""
+    await Dra(cluster, slices, claims).migration()
+
+
 async def run(cluster: Cluster, slices: Watch, claims: Watch) -> None:
-    """Check 8, on the cluster the device plugin's checks left (the plugin uninstalled)."""
+    """Check 9, on the cluster the device plugin's checks left (the plugin uninstalled)."""
     dra = Dra(cluster, slices, claims)
     plugin = await dra.install()
     await dra.admission(plugin)
