@@ -147,6 +147,15 @@ class Rollout:
     refused: list[str]
 
 
+@attrs.frozen
+class RunningConsumers:
+    """The consumers running at one moment, with their containers and devices."""
+
+    pods: list[Obj]
+    containers: set[str]
+    devices: dict[str, list[str]]
+
+
 @attrs.define
 class Cluster:
     node: Node
@@ -311,6 +320,31 @@ class Cluster:
             for (namespace, pod, _), ids in (await api.assigned(RESOURCE)).items()
             if namespace == CONSUMERS
         }
+
+    async def running_consumers(self) -> RunningConsumers:
+        running = [p for p in self.deployed() if phase(p) == "Running"]
+        names = {p["metadata"]["name"] for p in running}
+        held = await self.held_by_consumers()
+        return RunningConsumers(
+            running,
+            {container_id(p) for p in running},
+            {name: ids for name, ids in held.items() if name in names},
+        )
+
+    async def consumers_kept(self, consumers: RunningConsumers, what: str) -> None:
+        """The consumers still run in the same containers, holding the same devices."""
+        tasks = await self.node.tasks()
+        still = {c for c in consumers.containers if tasks.get(c, (0, ""))[1] == "RUNNING"}
+        expect(still == consumers.containers,
+               f"{what}: containers gone: {consumers.containers - still}")  # fmt: skip
+        devices = consumers.devices
+
+        async def same_devices() -> bool | None:
+            held = await self.held_by_consumers()
+            return True if {n: held.get(n) for n in devices} == devices else None
+
+        # Kubelet lists a pod's devices again once it has the pod back from the API server.
+        await wait_for(f"{what}: the consumers' devices", same_devices, 60)
 
     # 1.
 
@@ -715,11 +749,7 @@ class Cluster:
 
     async def kubelet_restarts(self) -> None:
         self.report.variant = "6 restarts"
-        kept = [p for p in self.deployed() if phase(p) == "Running"]
-        containers = {container_id(p) for p in kept}
-        names = {p["metadata"]["name"] for p in kept}
-        held = await self.held_by_consumers()
-        devices = {name: ids for name, ids in held.items() if name in names}
+        kept = await self.running_consumers()
         kubelet = self.node.kubelet
         for number in range(1, 4):
             server_at: list[float] = []
@@ -734,21 +764,12 @@ class Cluster:
                 f"restart {number}: registration server started → {SHARES} allocatable",
                 back - server_at[0],
             )
-            tasks = await self.node.tasks()
-            still = {c for c in containers if tasks.get(c, (0, ""))[1] == "RUNNING"}
-            expect(still == containers, f"containers gone: {containers - still}")
-
-            async def same_devices() -> bool | None:
-                held = await self.held_by_consumers()
-                return True if {n: held.get(n) for n in devices} == devices else None
-
-            # Kubelet lists a pod's devices again once it has the pod back from the API server.
-            await wait_for(f"kubelet restart {number}: the consumers' devices", same_devices, 60)
+            await self.consumers_kept(kept, f"kubelet restart {number}")
             expect(back - server_at[0] <= 1.0, "allocatable not back within a second")
             self.report.check(
                 f"kubelet restart {number}: {SHARES} allocatable {back - server_at[0]:.2f} s after "
-                f"its registration server started; {len(kept)} consumers kept their containers "
-                "and devices"
+                f"its registration server started; {len(kept.pods)} consumers kept their "
+                "containers and devices"
             )
         (old,) = self.plugin_pods()
         deleted = now()

@@ -240,23 +240,13 @@ class Dra:
         """docs/dra.md's migration, there and back, with the device plugin's consumers running."""
         self.report.variant = "7 migration"
         cluster = self.cluster
-        running = [p for p in cluster.deployed() if phase(p) == "Running"]
-        expect(bool(running), "no device-plugin consumer runs to migrate with")
-        containers = {container_id(p) for p in running}
-        names = {p["metadata"]["name"] for p in running}
-        devices = {n: ids for n, ids in (await cluster.held_by_consumers()).items() if n in names}
+        running = await cluster.running_consumers()
+        expect(bool(running.pods), "no device-plugin consumer runs to migrate with")
+        writer = running.pods[0]
 
         async def consumers_kept(what: str) -> None:
-            tasks = await cluster.node.tasks()
-            still = {c for c in containers if tasks.get(c, (0, ""))[1] == "RUNNING"}
-            expect(still == containers, f"{what}: containers gone: {containers - still}")
-
-            async def same_devices() -> bool | None:
-                held = await cluster.held_by_consumers()
-                return True if {n: held.get(n) for n in devices} == devices else None
-
-            await wait_for(f"{what}: the consumers' devices", same_devices, 60)
-            await cluster.check_in_consumer(running[0])
+            await cluster.consumers_kept(running, what)
+            await cluster.check_in_consumer(writer)
 
         (plugin,) = cluster.plugin_pods()
         applied = now()
@@ -270,8 +260,8 @@ class Dra:
         self.report.check(
             f"kubectl apply -k manifests/overlays/dra over the base: the driver "
             f"{driver['metadata']['name']} ready and {SHARES} devices published, the device "
-            f"plugin gone (0 allocatable); {len(running)} consumers kept their containers and "
-            f"devices ({running[0]['metadata']['name']} still writes {DEVICE})"
+            f"plugin gone (0 allocatable); {len(running.pods)} consumers kept their containers "
+            f"and devices ({writer['metadata']['name']} still writes {DEVICE})"
         )
 
         back = now()
