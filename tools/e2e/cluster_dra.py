@@ -66,6 +66,8 @@ from .scenario import DEVICE, RESOURCE, SHARES, expect, make_device, wait_alloca
 DRA_DOCTOR = f'exec {DOCTOR} doctor --host-root=/host --mode=dra --node-name="$NODE_NAME"'
 
 DRIVER = "pcc.tke.cloud.tencent.com"
+# What manifests/overlays/dra adds beside the base's DaemonSet (docs/dra.md, the way back).
+DRA_ONLY_FILES = ("deviceclass.yaml", "rbac.yaml", "node-restriction.yaml")
 CDI_DIR = Path("/var/run/cdi")
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_API}/resourceslices"
@@ -275,10 +277,18 @@ class Dra:
             "kubelet deleted the driver's slices", lambda: True if not self.pool() else None, 90
         )
         self.report.figure("way back: driver gone → its slices deleted", now() - gone)
+        # docs/dra.md's last step back: the overlay's own objects, which the base does not own.
+        overlay = cluster.manifests / "overlays" / "dra"
+        files = [a for f in DRA_ONLY_FILES for a in ("-f", str(overlay / f))]
+        await cluster.kubectl("delete", *files)
+        left = await cluster.kubectl("get", "--ignore-not-found", "-o", "name", *files)
+        expect(not left.strip(), f"the overlay's objects are left: {left}")
+        await wait_allocatable("the overlay's objects deleted", SHARES)
         self.report.check(
             f"kubectl apply -k manifests/base over the overlay: {plugin['metadata']['name']} "
             f"ready, {SHARES} allocatable; the consumers kept their containers and devices; "
-            "kubelet deleted the driver's slices"
+            "kubelet deleted the driver's slices; kubectl delete -f of the overlay's "
+            f"{', '.join(DRA_ONLY_FILES)} left the device plugin serving"
         )
 
     # 9.1 and 9.2
