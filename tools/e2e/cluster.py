@@ -48,8 +48,9 @@ import re
 import secrets
 import shutil
 import statistics
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -153,7 +154,8 @@ class RunningConsumers:
 
     pods: list[Obj]
     containers: set[str]
-    devices: dict[str, list[str]]
+    # Each pod's devices as kubelet's pod-resources lists them.
+    devices: dict[str, Any]
 
 
 @attrs.define
@@ -331,8 +333,15 @@ class Cluster:
             {name: ids for name, ids in held.items() if name in names},
         )
 
-    async def consumers_kept(self, consumers: RunningConsumers, what: str) -> None:
-        """The consumers still run in the same containers, holding the same devices."""
+    async def consumers_kept(
+        self,
+        consumers: RunningConsumers,
+        what: str,
+        held_now: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+    ) -> None:
+        """The consumers still run in the same containers, holding the same devices (as
+        `held_now` reads them: the device plugin's by default)."""
+        held_now = held_now or self.held_by_consumers
         tasks = await self.node.tasks()
         still = {c for c in consumers.containers if tasks.get(c, (0, ""))[1] == "RUNNING"}
         expect(still == consumers.containers,
@@ -340,7 +349,7 @@ class Cluster:
         devices = consumers.devices
 
         async def same_devices() -> bool | None:
-            held = await self.held_by_consumers()
+            held = await held_now()
             return True if {n: held.get(n) for n in devices} == devices else None
 
         # Kubelet lists a pod's devices again once it has the pod back from the API server.

@@ -51,6 +51,7 @@ from .cluster import (
     DOCTOR,
     SYSTEM,
     Cluster,
+    RunningConsumers,
     container_id,
     every_share_taken,
     phase,
@@ -496,22 +497,11 @@ class Dra:
     async def kept(self, pods: list[Obj], before: dict[str, Any], what: str) -> None:
         """The pods still run in the same containers, with the same devices (as kubelet lists
         them) and their claims' CDI specs; one of them still writes its device."""
-        names = {pod["metadata"]["name"] for pod in pods}
-
-        async def same() -> bool | None:
-            held = await self.held()
-            return True if {name: held.get(name) for name in names} == before else None
-
-        # Kubelet lists a pod's devices again once it has the pod back from the API server.
-        await wait_for(f"{what}: kubelet lists the claim pods' devices", same, 60)
-        tasks = await self.cluster.node.tasks()
+        running = RunningConsumers(pods, {container_id(pod) for pod in pods}, before)
+        await self.cluster.consumers_kept(running, what, self.held)
         for pod in pods:
-            running = tasks.get(container_id(pod), (0, ""))[1] == "RUNNING"
             uid, _ = self.device_of(pod)
-            expect(
-                running and spec_path(uid).exists(),
-                f"{what}: {pod['metadata']['name']} lost its container or its CDI spec",
-            )
+            expect(spec_path(uid).exists(), f"{what}: {pod['metadata']['name']} lost its CDI spec")
         await self.cluster.check_in_consumer(pods[0])
 
     async def restarts(self) -> None:
