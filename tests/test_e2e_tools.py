@@ -7,6 +7,7 @@ line, and how the harness tells failed checks from its own errors.
 
 from __future__ import annotations
 
+import copy
 import re
 import signal
 import sys
@@ -17,7 +18,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from e2e import __main__ as e2e_main
-from e2e import builds, harness, kubelet_log
+from e2e import builds, harness, kubelet_log, pods
 from e2e.node import Daemon
 
 
@@ -139,3 +140,50 @@ def test_more_race_rounds_than_shares_for_kept_pods_is_a_usage_error(
         e2e_main.main(["--plugin-image", "unused.tar", "--race=16"])
     assert exited.value.code == 2
     assert "--race: at most 15 with the race pods kept" in capsys.readouterr().err
+
+
+def test_the_yardstick_runs_in_the_bases_pod_with_only_its_process_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race's floor is fair only if kubelet and the kernel treat the yardstick as they treat
+    the plugin: same pod name, resources, privileges and directory; only the process differs."""
+    container: pods.Obj = {
+        "name": pods.PLUGIN_CONTAINER,
+        "image": "localhost/pcc-device-plugin:0.1.0",
+        "args": ["--v=1"],
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": "metrics"}},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}},
+        "ports": [{"containerPort": 8080, "name": "metrics"}],
+        "resources": {"requests": {"cpu": "100m"}},
+        "securityContext": {"privileged": True},
+        "volumeMounts": [
+            {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"}
+        ],
+    }
+    base: pods.Obj = {
+        "metadata": {"name": "pcc-device-plugin", "namespace": "kube-system"},
+        "spec": {
+            "containers": [container],
+            "priorityClassName": "system-node-critical",
+            "volumes": [{"name": "device-plugins", "hostPath": {"path": "/var/lib/kubelet"}}],
+        },
+    }
+    monkeypatch.setattr(pods, "plugin_pod", lambda name: copy.deepcopy(base) if name == "plugin"
+                        else pytest.fail(f"the yardstick's pod from {name}"))  # fmt: skip
+    pod = pods.yardstick_pod(Path("/cache/e2e/yardstick-0123/yardstick"))
+    (ran,) = pod["spec"]["containers"]
+    assert ran["command"] == ["/yardstick/yardstick"]
+    assert not {"args", "livenessProbe", "readinessProbe", "ports"} & set(ran)
+    assert ran["volumeMounts"][-1] == {
+        "name": "yardstick", "mountPath": "/yardstick", "readOnly": True,
+    }  # fmt: skip
+    assert pod["spec"]["volumes"][-1] == {
+        "name": "yardstick",
+        "hostPath": {"path": "/cache/e2e/yardstick-0123", "type": "Directory"},
+    }
+    for key in ("name", "image", "resources", "securityContext"):
+        assert ran[key] == container[key]
+    assert ran["volumeMounts"][:-1] == container["volumeMounts"]
+    assert pod["metadata"] == base["metadata"]
+    assert pod["spec"]["priorityClassName"] == base["spec"]["priorityClassName"]
+    assert pod["spec"]["volumes"][:-1] == base["spec"]["volumes"]

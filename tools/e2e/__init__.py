@@ -9,7 +9,8 @@ Modules (run as ``PYTHONPATH=tools python -m e2e``, see ``__main__``):
     keyed on that version. Standard library only, so that CI can start it in the background
     before anything else is installed.
 ``images``
-    The sandbox ("pause") image, built from ``pause/main.go`` into a docker-archive tarball.
+    The sandbox ("pause") image, built from ``pause/main.go`` into a docker-archive tarball, and
+    the race's Go yardstick, a device plugin built from ``yardstick/main.go``.
 ``node``
     The node: private mount, PID and network namespaces with containerd and kubelet in them.
 ``control_plane``

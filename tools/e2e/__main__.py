@@ -114,7 +114,7 @@ def _binaries(cluster: bool) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import images
+    from . import images, scenario
 
     cluster = args.command == "cluster"
     session = "cluster" if cluster else "e2e"
@@ -141,8 +141,11 @@ def run(args: argparse.Namespace) -> int:
         plugin_references[0],
     ]  # fmt: skip
     if not cluster:
-        argv += [*(f"--variant={v}" for v in args.variant or ()), f"--race={args.race}",
+        variants = args.variant or scenario.RUN_BY_DEFAULT
+        argv += [*(f"--variant={v}" for v in variants), f"--race={args.race}",
                  f"--race-pods={args.race_pods}"]  # fmt: skip
+        if scenario.YARDSTICK in variants:
+            argv += ["--yardstick", str(images.yardstick_binary())]
     code = 1
     try:
         code = _wait_interruptibly(subprocess.Popen(argv, env=dict(os.environ)))
@@ -175,6 +178,8 @@ RACE_ROUNDS_KEPT_AT_MOST = 15
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import scenario
+
     parser = argparse.ArgumentParser(
         prog="python -m e2e",
         description=__doc__,
@@ -188,8 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.add_argument("--plugin-image", required=True, help="docker-archive tarball")
     for name in ("run", "inside"):
         commands.choices[name].add_argument(
-            "--variant", action="append", choices=("plugin", "plugin-hardened"),
-            help="run only this pod template (repeatable; default: both)",
+            "--variant", action="append", choices=(*scenario.VARIANTS, scenario.YARDSTICK),
+            help="run only this pod template (repeatable; default: all three); "
+            f"{scenario.YARDSTICK}: the Go yardstick, for the race's figures (docs/e2e.md)",
         )  # fmt: skip
         commands.choices[name].add_argument(
             "--race", type=int, default=RACE_ROUNDS, metavar="N",
@@ -207,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for option in ("--state", "--logs", "--kubelet", "--containerd", "--pause-image",
                    "--pause-reference", "--plugin-reference"):  # fmt: skip
         inner.add_argument(option, required=True)
+    inner.add_argument("--yardstick", help="the yardstick's binary")
     inner.add_argument("--control-plane")
     inner.add_argument("--etcd")
     arguments = list(sys.argv[1:] if argv is None else argv)

@@ -162,6 +162,7 @@ async def main(args: argparse.Namespace) -> int:
                     await scenario.run(
                         node, report, args.variant or list(scenario.VARIANTS), args.race,
                         args.race_pods == "removed", reset=lambda: reset_node(node),
+                        yardstick=args.yardstick and Path(args.yardstick),
                     )  # fmt: skip
                 else:
                     from . import cluster

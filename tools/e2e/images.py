@@ -1,9 +1,12 @@
-"""The sandbox ("pause") image, built here because nothing can be pulled on the e2e node.
+"""Images and binaries built here from our own Go sources, because nothing can be pulled on the
+e2e node.
 
-``pause/main.go`` is compiled statically and packed as the only file of a one-layer image, in the
-docker-archive format that ``ctr images import`` reads (``manifest.json``, the image config and
-the layer tarball), with fixed timestamps so the same source gives the same image. The archive
-is cached in the cache directory under the hash of the source and the Go version.
+The sandbox ("pause") image: ``pause/main.go`` is compiled statically and packed as the only file
+of a one-layer image, in the docker-archive format that ``ctr images import`` reads
+(``manifest.json``, the image config and the layer tarball), with fixed timestamps so the same
+source gives the same image. The yardstick (``yardstick/main.go``, a Go device plugin for the
+race's figures; docs/e2e.md) is a static binary that its pod runs from a hostPath. Both are
+cached in the cache directory under the hash of their source and the Go version.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from pathlib import Path
 
 from .builds import CACHE
 
-PAUSE_SOURCE = Path(__file__).resolve().parent / "pause"
+HERE = Path(__file__).resolve().parent
+PAUSE_SOURCE = HERE / "pause"
+YARDSTICK_SOURCE = HERE / "yardstick"
 PAUSE_REPOSITORY = "localhost/pcc-e2e/pause"
 
 
@@ -44,15 +49,55 @@ def _tar(files: list[tuple[str, bytes, int]]) -> bytes:
     return buffer.getvalue()
 
 
-def pause_archive() -> tuple[Path, str]:
-    """(docker-archive tarball, image reference) of the pause image; built when not cached."""
+def _go() -> str:
     go = shutil.which("go")
     if go is None:
-        raise SystemExit("pause image: `go` is not on PATH; install Go (see docs/e2e.md)")
+        raise SystemExit("the e2e's Go programs: `go` is not on PATH; install Go (see docs/e2e.md)")
+    return go
+
+
+def _source_key(go: str, source: Path) -> str:
     digest = hashlib.sha256(_go_env(go, "GOVERSION").encode())
-    for source in sorted(PAUSE_SOURCE.iterdir()):
-        digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    key = digest.hexdigest()[:12]
+    for path in sorted(source.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def go_build(go: str, source: Path, binary: Path) -> None:
+    """A static binary of the main package in `source`; modules through GOPROXY, as go.sum says."""
+    subprocess.run(
+        [go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(binary), "."],
+        cwd=source, env=dict(os.environ, CGO_ENABLED="0"), check=True,
+    )  # fmt: skip
+
+
+def _remove_stale(kept: Path, pattern: str) -> None:
+    for stale in kept.parent.glob(pattern):
+        if stale != kept:
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+
+
+def yardstick_binary() -> Path:
+    """The yardstick's binary, alone in its directory; built when not cached."""
+    go = _go()
+    directory = CACHE / "e2e" / f"yardstick-{_source_key(go, YARDSTICK_SOURCE)}"
+    binary = directory / "yardstick"
+    if not binary.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory.parent) as tmp:
+            go_build(go, YARDSTICK_SOURCE, Path(tmp) / "yardstick")
+            os.replace(Path(tmp) / "yardstick", binary)
+        _remove_stale(directory, "yardstick-*")
+    return binary
+
+
+def pause_archive() -> tuple[Path, str]:
+    """(docker-archive tarball, image reference) of the pause image; built when not cached."""
+    go = _go()
+    key = _source_key(go, PAUSE_SOURCE)
     reference = f"{PAUSE_REPOSITORY}:{key}"
     target = CACHE / "e2e" / f"pause-{key}.tar"
     if target.exists():
@@ -60,10 +105,7 @@ def pause_archive() -> tuple[Path, str]:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         binary = Path(tmp) / "pause"
-        subprocess.run(
-            [go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(binary), "."],
-            cwd=PAUSE_SOURCE, env=dict(os.environ, CGO_ENABLED="0"), check=True,
-        )  # fmt: skip
+        go_build(go, PAUSE_SOURCE, binary)
         layer = _tar([("pause", binary.read_bytes(), 0o755)])
         layer_id = hashlib.sha256(layer).hexdigest()
         config = json.dumps(
@@ -94,7 +136,5 @@ def pause_archive() -> tuple[Path, str]:
             )
         )
         os.replace(partial, target)
-    for stale in target.parent.glob("pause-*.tar"):
-        if stale != target:
-            stale.unlink()
+    _remove_stale(target, "pause-*.tar")
     return target, reference

@@ -53,6 +53,26 @@ def plugin_pod(name: str) -> Obj:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
 
 
+def yardstick_pod(binary: Path) -> Obj:
+    """The base's pod with the Go yardstick (tools/e2e/yardstick) in place of the plugin's
+    process: the same name, resources, privileges and device-plugin directory, so that kubelet
+    and the kernel treat both alike; the binary from the node's `binary`, mounted read-only; no
+    probes and no port, which the yardstick does not serve."""
+    pod = plugin_pod("plugin")
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    for key in ("args", "livenessProbe", "readinessProbe", "ports"):
+        container.pop(key, None)
+    container["command"] = [f"/yardstick/{binary.name}"]
+    container["volumeMounts"].append(
+        {"name": "yardstick", "mountPath": "/yardstick", "readOnly": True}
+    )
+    spec["volumes"].append(
+        {"name": "yardstick", "hostPath": {"path": str(binary.parent), "type": "Directory"}}
+    )
+    return pod
+
+
 def consumer_pod(namespace: str, name: str) -> Obj:
     """The confidential-app example, named `name` in `namespace`."""
     pod = _the(render("consumer"), "Pod")
