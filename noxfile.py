@@ -397,4 +397,7 @@ def bench(session: nox.Session) -> None:
     (--quick, --json PATH, --strict).
     """
     install_dev(session)
-    session.run("python", "-m", "bench.run", *session.posargs)
+    # tools/ for the e2e's Go yardstick, whose restarts it prints beside the daemon's.
+    session.run(
+        "python", "-m", "bench.run", *session.posargs, env={"PYTHONPATH": str(ROOT / "tools")}
+    )

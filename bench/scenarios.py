@@ -7,6 +7,7 @@ issue 26). CPU per Allocate has none: it is printed beside a minimal grpcio serv
 
 from __future__ import annotations
 
+import shutil
 import socket
 import statistics
 import subprocess
@@ -15,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from e2e.images import YARDSTICK_SOURCE, go_build
 
 from bench import hostile, image, procfs
 from bench.harness import (
@@ -256,6 +259,22 @@ def _instants(serving: float, registration: Registration) -> dict[str, float]:
     }  # fmt: skip
 
 
+def _restart_instants(bench: Bench, count: int) -> list[dict[str, float]]:
+    """Kubelet restarted `count` times in a row, each once the plugin is back with its list on a
+    live stream; each restart's instants."""
+    instants = []
+    with no_gc():
+        for _ in range(count):
+            before = len(accepted(bench.kubelet))
+            bench.kubelet.restart()
+            instants.append(_instants(bench.kubelet.serving_since, bench.registered(before)))
+    return instants
+
+
+def _span(instants: list[dict[str, float]], start: str, end: str) -> list[float]:
+    return [instant[end] - instant[start] for instant in instants]
+
+
 def restarts(bench: Bench, daemon: Daemon, count: int) -> None:
     """Kubelet restarted `count` times in a row (its socket directory wiped each time, as
     kubelet does), each time once the daemon is back with its list on a live stream.
@@ -268,12 +287,7 @@ def restarts(bench: Bench, daemon: Daemon, count: int) -> None:
     report.section(f"kubelet restart -> registered again: {count} restarts in a row")
     before_fds, before_rss = daemon.open_fds(), procfs.proc_status(daemon.pid)["VmRSS"]
     calls_before = kubelet.register_calls
-    instants = []
-    with no_gc():
-        for _ in range(count):
-            before = len(accepted(kubelet))
-            kubelet.restart()
-            instants.append(_instants(kubelet.serving_since, bench.registered(before)))
+    instants = _restart_instants(bench, count)
     # Whatever a last restart set in motion has settled once the stream is open again.
     after_fds, after_rss = daemon.open_fds(), procfs.proc_status(daemon.pid)["VmRSS"]
     calls = kubelet.register_calls - calls_before
@@ -283,7 +297,7 @@ def restarts(bench: Bench, daemon: Daemon, count: int) -> None:
     }  # fmt: skip
 
     def span(start: str, end: str) -> list[float]:
-        return [instant[end] - instant[start] for instant in instants]
+        return _span(instants, start, end)
 
     registered = span("serving", "accepted")
     for pct, limit in ((50, RESTART_TO_REGISTERED_P50_MS), (99, RESTART_TO_REGISTERED_P99_MS)):
@@ -303,6 +317,40 @@ def restarts(bench: Bench, daemon: Daemon, count: int) -> None:
     report.add("Register calls per restart", f"{calls / count:.2f} ({calls} calls)")
     report.add("open fds; VmRSS: before -> after",
                f"{before_fds} -> {after_fds}; {mib(before_rss)} -> {mib(after_rss)}")  # fmt: skip
+
+
+def go_yardstick_restarts(bench: Bench, count: int) -> None:
+    """The same restarts with the e2e's Go yardstick (tools/e2e/yardstick) as the plugin: what
+    the race's legs take with a Go plugin that does only this, on this harness. No target."""
+    report = bench.report
+    report.section(f"the Go yardstick (tools/e2e/yardstick): the same {count} restarts")
+    go = shutil.which("go")
+    if go is None:
+        report.add("the Go yardstick's figures", "not measured: no `go` on PATH")
+        return
+    binary = bench.node.root / "yardstick"
+    try:
+        go_build(go, YARDSTICK_SOURCE, binary)
+    except subprocess.CalledProcessError as exc:
+        report.add("the Go yardstick's figures", f"not measured: go build exited {exc.returncode}")
+        return
+    before = len(accepted(bench.kubelet))
+    bench.logs += 1
+    yardstick = Daemon([str(binary), "--dir", str(bench.node.plugin_dir)],
+                       bench.node.root / f"yardstick-{bench.logs}.log")  # fmt: skip
+    bench.cleanup.callback(yardstick.close)
+    bench.registered(before)
+    instants = _restart_instants(bench, count)
+    bench.stop(yardstick)
+    report.figures["go_yardstick_restart_instants"] = instants
+    for label, start, end in (
+        ("kubelet restart -> registered", "serving", "accepted"),
+        ("  kubelet.sock -> Register", "serving", "received"),
+        ("  dial-back -> GetDevicePluginOptions answered", "dialled", "options"),
+        ("  dial-back -> first ListAndWatch list", "dialled", "first_list"),
+        ("kubelet.sock -> first list (kubelet knows the devices)", "serving", "first_list"),
+    ):
+        report.add(f"{label}, p50 / p99", _p50_p99(_span(instants, start, end)))
 
 
 def health_change(bench: Bench, counts: Sequence[int], repeats: int) -> None:
