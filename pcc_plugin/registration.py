@@ -178,9 +178,9 @@ async def register_with_kubelet(
 ) -> None:
     """Register until kubelet accepts, logging each distinct refusal once.
 
-    A registration with another kubelet.sock than the last one is counted as
-    a kubelet restart, whichever event (our socket deleted, kubelet.sock
-    created, the stream's end) made this generation start.
+    A registration after kubelet.sock was created anew, or with another
+    kubelet.sock than the last one whichever event (our socket deleted, the
+    stream's end) made this generation start, is counted as a kubelet restart.
     """
     backoff = backoff or Backoff()
     kubelet_socket = plugin_dir / KUBELET_SOCKET
@@ -216,7 +216,10 @@ async def register_with_kubelet(
         reachability.reachable()
         log.info("Registered device plugin with Kubelet: resource %s, endpoint %s",
                  request.resource_name, request.endpoint)  # fmt: skip
-        if stats.kubelet is not None and kubelet != stats.kubelet:
+        # The watcher saw kubelet.sock created (KUBELET_RESTARTED), or the socket differs from
+        # the last one registered with: one restart either way, even when a quick restart left
+        # a kubelet.sock with the old one's inode and change time.
+        if stats.kubelet is not None and (cause == KUBELET_RESTARTED or kubelet != stats.kubelet):
             stats.kubelet_restarts += 1
             cause = KUBELET_RESTARTED
         stats.kubelet = kubelet

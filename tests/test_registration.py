@@ -16,6 +16,7 @@ import trio.testing
 from pcc_plugin import bridge, grpc_clients
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.fs import identity
+from pcc_plugin.plugin_dir import KUBELET_RESTARTED
 from pcc_plugin.registration import (
     STABLE_AFTER,
     UNREACHABLE_GRACE,
@@ -216,6 +217,26 @@ async def test_a_registration_with_a_new_kubelet_sock_counts_as_a_kubelet_restar
                 )  # fmt: skip
         (tmp_path / "kubelet.sock").unlink()
     assert stats.registrations == {"start": 1, "ListAndWatch ended": 1, "kubelet restarted": 2}
+    assert stats.kubelet_restarts == 2
+
+
+async def test_a_new_kubelet_sock_counts_as_a_restart_even_with_the_old_ones_identity(
+    tmp_path: Path,
+) -> None:
+    """Inode numbers are reused and change times count in clock ticks: a kubelet that restarts
+    quickly can leave a kubelet.sock that looks like the old one. The watcher saw it created."""
+
+    async def accept(*_: object) -> None:
+        pass
+
+    stats = ResourceStats()
+    reachability = Reachability()
+    with bind_socket(tmp_path / "kubelet.sock"):
+        for cause in ("start", KUBELET_RESTARTED, KUBELET_RESTARTED):
+            await register_with_kubelet(
+                tmp_path, REQUEST, stats, cause, KubeletLink(stats), reachability, accept
+            )
+    assert stats.registrations == {"start": 1, KUBELET_RESTARTED: 2}
     assert stats.kubelet_restarts == 2
 
 
