@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import grpc
 
+from bench import procfs
 from bench.report import Report
 from pcc_plugin.sim import Daemon, FakeNode, Registration, SimKubelet
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
@@ -30,6 +31,7 @@ from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 ROOT = Path(__file__).resolve().parent.parent
 ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
 LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
+OPTIONS = "/v1beta1.DevicePlugin/GetDevicePluginOptions"
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 WAIT = 30.0
 # What the Containerfile sets for the daemon: no docstrings, asserts or column offsets in memory.
@@ -79,6 +81,36 @@ def plugin_channel(socket_path: Path) -> Iterator[Any]:
         yield channel
     finally:
         channel.close()
+
+
+def dial_back(socket_path: Path) -> None:
+    """What kubelet does when it dials a plugin back: connect, GetDevicePluginOptions, then
+    ListAndWatch until its first list; then the connection is closed."""
+    with plugin_channel(socket_path) as channel:
+        options = channel.unary_unary(
+            OPTIONS, request_serializer=pb.Empty.SerializeToString,
+            response_deserializer=pb.DevicePluginOptions.FromString,
+        )  # fmt: skip
+        options(pb.Empty(), timeout=WAIT, wait_for_ready=True)
+        list_and_watch = channel.unary_stream(
+            LIST_AND_WATCH, request_serializer=pb.Empty.SerializeToString,
+            response_deserializer=pb.ListAndWatchResponse.FromString,
+        )  # fmt: skip
+        stream = list_and_watch(pb.Empty(), timeout=WAIT)
+        next(stream)
+        stream.cancel()
+
+
+def cpu_per_dial_back(pid: int, socket_path: Path, dials: int) -> float:
+    """Process `pid`'s CPU (schedstat, every thread) per dial-back, in seconds."""
+    for _ in range(20):
+        dial_back(socket_path)
+    with no_gc():
+        busy = procfs.cpu_ns(pid)
+        for _ in range(dials):
+            dial_back(socket_path)
+        busy = procfs.cpu_ns(pid) - busy
+    return busy / 1e9 / dials
 
 
 def allocate_method(channel: Any) -> Any:

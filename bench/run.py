@@ -62,9 +62,10 @@ def run(args: argparse.Namespace) -> Report:
                                2 if quick else 5)  # fmt: skip
             scenarios.under_hostile_loads(bench, daemon, endpoint, 100 if quick else 1000,
                                           2 if quick else 5)  # fmt: skip
-            scenarios.restarts(bench, daemon, 20 if quick else args.restarts)
+            dials = 100 if quick else 1000
+            scenarios.restarts(bench, daemon, endpoint, 20 if quick else args.restarts, dials)
             bench.stop(daemon)
-            scenarios.go_yardstick_restarts(bench, 20 if quick else args.restarts)
+            scenarios.floor(bench, 20 if quick else args.restarts, dials)
             scenarios.health_change(bench, (16, 10_000), 2 if quick else 5)
             hostile.peak_memory(bench, 2 if quick else 8)
             rollout.rollouts(bench, 1 if quick else 5)

@@ -7,6 +7,7 @@ issue 26). CPU per Allocate has none: it is printed beside a minimal grpcio serv
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import statistics
@@ -26,6 +27,7 @@ from bench.harness import (
     Bench,
     accepted,
     allocate_method,
+    cpu_per_dial_back,
     metrics_port,
     no_gc,
     plugin_channel,
@@ -275,7 +277,7 @@ def _span(instants: list[dict[str, float]], start: str, end: str) -> list[float]
     return [instant[end] - instant[start] for instant in instants]
 
 
-def restarts(bench: Bench, daemon: Daemon, count: int) -> None:
+def restarts(bench: Bench, daemon: Daemon, endpoint: str, count: int, dials: int) -> None:
     """Kubelet restarted `count` times in a row (its socket directory wiped each time, as
     kubelet does), each time once the daemon is back with its list on a live stream.
 
@@ -285,9 +287,15 @@ def restarts(bench: Bench, daemon: Daemon, count: int) -> None:
     """
     report, kubelet = bench.report, bench.kubelet
     report.section(f"kubelet restart -> registered again: {count} restarts in a row")
+    cpu = cpu_per_dial_back(daemon.pid, bench.socket(endpoint), dials)
+    report.figures["dial_back_cpu_s"] = {"daemon": cpu}
+    report.add(f"CPU per dial-back ({dials} from a grpcio client, as kubelet dials), the daemon",
+               f"{cpu * 1e6:.0f} us")  # fmt: skip
     before_fds, before_rss = daemon.open_fds(), procfs.proc_status(daemon.pid)["VmRSS"]
     calls_before = kubelet.register_calls
+    busy = procfs.cpu_ns(daemon.pid)
     instants = _restart_instants(bench, count)
+    busy = procfs.cpu_ns(daemon.pid) - busy
     # Whatever a last restart set in motion has settled once the stream is open again.
     after_fds, after_rss = daemon.open_fds(), procfs.proc_status(daemon.pid)["VmRSS"]
     calls = kubelet.register_calls - calls_before
@@ -315,15 +323,33 @@ def restarts(bench: Bench, daemon: Daemon, count: int) -> None:
     report.add("kubelet.sock -> first list (kubelet knows the devices), p50 / p99",
                _p50_p99(span("serving", "first_list")))  # fmt: skip
     report.add("Register calls per restart", f"{calls / count:.2f} ({calls} calls)")
+    report.add("CPU per restart, the daemon (schedstat)", f"{busy / count / 1e3:.0f} us")
     report.add("open fds; VmRSS: before -> after",
                f"{before_fds} -> {after_fds}; {mib(before_rss)} -> {mib(after_rss)}")  # fmt: skip
 
 
-def go_yardstick_restarts(bench: Bench, count: int) -> None:
-    """The same restarts with the e2e's Go yardstick (tools/e2e/yardstick) as the plugin: what
-    the race's legs take with a Go plugin that does only this, on this harness. No target."""
+def floor(bench: Bench, count: int, dials: int) -> None:
+    """What the race's legs cost below this daemon: grpclib alone on asyncio
+    (`bench.stack_floor`), and the e2e's Go yardstick (tools/e2e/yardstick) in the daemon's
+    place for the same restarts. Printed beside the daemon's figures; no target."""
     report = bench.report
-    report.section(f"the Go yardstick (tools/e2e/yardstick): the same {count} restarts")
+    report.section("the floor: grpclib alone, and the Go yardstick (tools/e2e/yardstick)")
+    socket_path = bench.node.root / "stack-floor.sock"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.stack_floor", str(socket_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **bench.env},
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != "serving":
+            raise RuntimeError("bench.stack_floor did not start")
+        cpu = cpu_per_dial_back(server.pid, socket_path, dials)
+    finally:
+        server.kill()
+        server.wait()
+    report.figures["dial_back_cpu_s"]["grpclib alone"] = cpu
+    report.add("CPU per dial-back, grpclib alone on asyncio (bench/stack_floor.py)",
+               f"{cpu * 1e6:.0f} us")  # fmt: skip
     go = shutil.which("go")
     if go is None:
         report.add("the Go yardstick's figures", "not measured: no `go` on PATH")
@@ -339,18 +365,25 @@ def go_yardstick_restarts(bench: Bench, count: int) -> None:
     yardstick = Daemon([str(binary), "--dir", str(bench.node.plugin_dir)],
                        bench.node.root / f"yardstick-{bench.logs}.log")  # fmt: skip
     bench.cleanup.callback(yardstick.close)
-    bench.registered(before)
+    endpoint = bench.registered(before).endpoint
+    cpu = cpu_per_dial_back(yardstick.pid, bench.socket(endpoint), dials)
+    report.figures["dial_back_cpu_s"]["Go yardstick"] = cpu
+    report.add("CPU per dial-back, the Go yardstick", f"{cpu * 1e6:.0f} us")
+    busy = procfs.cpu_ns(yardstick.pid)
     instants = _restart_instants(bench, count)
+    busy = procfs.cpu_ns(yardstick.pid) - busy
     bench.stop(yardstick)
     report.figures["go_yardstick_restart_instants"] = instants
     for label, start, end in (
-        ("kubelet restart -> registered", "serving", "accepted"),
+        (f"the Go yardstick, {count} restarts: kubelet restart -> registered", "serving",
+         "accepted"),
         ("  kubelet.sock -> Register", "serving", "received"),
         ("  dial-back -> GetDevicePluginOptions answered", "dialled", "options"),
         ("  dial-back -> first ListAndWatch list", "dialled", "first_list"),
         ("kubelet.sock -> first list (kubelet knows the devices)", "serving", "first_list"),
-    ):
+    ):  # fmt: skip
         report.add(f"{label}, p50 / p99", _p50_p99(_span(instants, start, end)))
+    report.add("CPU per restart, the Go yardstick", f"{busy / count / 1e3:.0f} us")
 
 
 def health_change(bench: Bench, counts: Sequence[int], repeats: int) -> None:
