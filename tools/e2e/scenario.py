@@ -26,9 +26,12 @@ pods themselves and /proc:
 7. the device node is removed: 0 allocatable; kubelet's readiness probe keeps the plugin ready, as
    docs/deploy.md says (/readyz is about registration, not the device); restored: 16 again.
 
-The second variant runs on a node reset to no pods (harness.reset_node): kubelet starts a static
-pod only when it is done with an earlier one of the same namespace and name, which can take a
-minute of its garbage collection. Each variant's consumers are in a namespace of their own
+Then the Go yardstick (``yardstick``, pods.yardstick_pod) in the plugin's place, through 1 to 3
+(without the readiness probe) and 5, so that the race's figures have a floor beside them.
+
+Each variant after the first runs on a node reset to no pods (harness.reset_node): kubelet starts
+a static pod only when it is done with an earlier one of the same namespace and name, which can
+take a minute of its garbage collection. Each variant's consumers are in a namespace of their own
 (``<variant>-consumers``). Polls (kubelet has no watch on these APIs) use poll.wait_for; every
 wait has a timeout.
 """
