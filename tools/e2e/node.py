@@ -380,7 +380,8 @@ class Node:
         """`ctr` in containerd's k8s.io namespace (the CRI's); its output.
 
         With `gone_ok`, "not found" is no error: containerd's CRI deletes a task or container
-        by itself when it stops, so one listed a moment ago may be gone.
+        by itself when it stops, so one listed a moment ago may be gone; nor is "ttrpc:
+        closed", a shim that exited while it was asked (the caller looks again).
         """
         with trio.fail_after(within):
             result = await trio.run_process(
@@ -398,7 +399,7 @@ class Node:
             )
         if result.returncode != 0:
             error = result.stderr.decode().strip()
-            if gone_ok and "not found" in error:
+            if gone_ok and ("not found" in error or "ttrpc: closed" in error):
                 return ""
             raise RuntimeError(f"ctr {' '.join(args)}: {error}")
         return result.stdout.decode()
@@ -421,8 +422,14 @@ class Node:
             return all(s == "STOPPED" for _, s in (await self.tasks()).values()) or None
 
         await wait_for("every task stopped", all_stopped, within=30)
-        for container in await self.tasks():
-            await self.ctr("tasks", "delete", "--force", container, gone_ok=True)
+
+        async def all_deleted() -> bool | None:
+            left = await self.tasks()
+            for container in left:
+                await self.ctr("tasks", "delete", "--force", container, gone_ok=True)
+            return not left or None
+
+        await wait_for("every task deleted", all_deleted, within=30)
 
     async def delete_all_containers(self) -> None:
         """Every container and sandbox gone from containerd (tasks first)."""
