@@ -83,6 +83,27 @@ def plugin_channel(socket_path: Path) -> Iterator[Any]:
         channel.close()
 
 
+@contextlib.contextmanager
+def python_module(
+    module: str, *args: str, ready: str, env: Mapping[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """``python -m module args``, once it has printed `ready`; killed at the end if still
+    running. `env` is added to this process's environment."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, *args], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        env=None if env is None else {**os.environ, **env},
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != ready:
+            raise RuntimeError(f"python -m {module} {' '.join(args)} did not start")
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
 def dial_back(socket_path: Path) -> None:
     """What kubelet does when it dials a plugin back: connect, GetDevicePluginOptions, then
     ListAndWatch until its first list; then the connection is closed."""
@@ -148,12 +169,20 @@ class Bench:
     logs: int = 0
 
     def spawn(self, *extra: str, env: Mapping[str, str] | None = None) -> Daemon:
-        self.logs += 1
         args = [*self.node.daemon_args(verbosity=0), *extra]
-        log_path = self.node.root / f"daemon-{self.logs}.log"
-        daemon = Daemon.spawn_plugin(args, log_path, {**self.env, **(env or {})})
+        daemon = Daemon.spawn_plugin(args, self.log_path("daemon"), {**self.env, **(env or {})})
         self.cleanup.callback(daemon.close)
         return daemon
+
+    def spawn_program(self, *argv: str, name: str) -> Daemon:
+        """Another plugin than the daemon (the Go yardstick), stopped at the end like it."""
+        program = Daemon(list(argv), self.log_path(name))
+        self.cleanup.callback(program.close)
+        return program
+
+    def log_path(self, name: str) -> Path:
+        self.logs += 1
+        return self.node.root / f"{name}-{self.logs}.log"
 
     def registered(self, after: int, devices: int = 16) -> Registration:
         """Wait for accepted registration number `after` + 1 and a full list on a live stream."""

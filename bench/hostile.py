@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -28,6 +26,7 @@ from bench.harness import (
     allocate_method,
     metrics_port,
     plugin_channel,
+    python_module,
     timed_allocates,
 )
 from bench.report import mib
@@ -44,22 +43,9 @@ FLAP_SECONDS = 0.25
 DAEMONSET = ROOT / "manifests" / "base" / "daemonset.yaml"
 
 
-@contextlib.contextmanager
-def client(*args: str) -> Iterator[subprocess.Popen[str]]:
+def client(*args: str) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
     """One of `bench.hostile_clients`, started and ready; killed at the end if still running."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.hostile_clients", *args],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        if process.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"hostile client {args[0]} did not start")
-        yield process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
+    return python_module("bench.hostile_clients", *args, ready="ready")
 
 
 def outcome(process: subprocess.Popen[str]) -> tuple[int, int]:

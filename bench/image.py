@@ -96,11 +96,11 @@ def running(bench: Bench, config: dict[str, Any], root: Path) -> Iterator[tuple[
     runtime's start of the container includes its own.
     """
     before = len(accepted(bench.kubelet))
-    bench.logs += 1
+    log_path = bench.log_path("image")
     started = time.monotonic()
     daemon = Daemon(
         _argv(config, root, [*config["Entrypoint"], *bench.node.daemon_args(verbosity=0)]),
-        bench.node.root / f"image-{bench.logs}.log",
+        log_path,
     )
     try:
         registration = bench.registered(before)

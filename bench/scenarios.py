@@ -7,12 +7,10 @@ issue 26). CPU per Allocate has none: it is printed beside a minimal grpcio serv
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +30,7 @@ from bench.harness import (
     no_gc,
     plugin_channel,
     probed_and_scraped,
+    python_module,
     timed_allocates,
 )
 from bench.report import Report, mib, ms, percentile
@@ -151,34 +150,24 @@ def allocate(bench: Bench, pid: int, endpoint: str, calls: int, rounds: int) -> 
     report = bench.report
     report.section("Allocate, one container request from a grpcio client, one call after another")
     socket_path = bench.node.root / "yardstick.sock"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "bench.yardstick", str(socket_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
     per_round = calls // rounds
     latencies: list[float] = []
     ours: list[float] = []
     theirs: list[float] = []
-    try:
-        assert server.stdout is not None
-        if server.stdout.readline().strip() != "serving":
-            raise RuntimeError("the grpcio yardstick did not start")
-        with (
-            plugin_channel(bench.socket(endpoint)) as daemon_channel,
-            plugin_channel(socket_path) as yardstick_channel,
-        ):
-            daemon_method = allocate_method(daemon_channel)
-            yardstick_method = allocate_method(yardstick_channel)
-            timed_allocates(daemon_method, 200)
-            timed_allocates(yardstick_method, 200)
-            for _ in range(rounds):
-                round_latencies, cpu = _sequential(pid, daemon_method, per_round)
-                latencies += round_latencies
-                ours.append(cpu)
-                theirs.append(_sequential(server.pid, yardstick_method, per_round)[1])
-    finally:
-        server.kill()
-        server.wait()
+    with (
+        python_module("bench.yardstick", str(socket_path), ready="serving") as server,
+        plugin_channel(bench.socket(endpoint)) as daemon_channel,
+        plugin_channel(socket_path) as yardstick_channel,
+    ):
+        daemon_method = allocate_method(daemon_channel)
+        yardstick_method = allocate_method(yardstick_channel)
+        timed_allocates(daemon_method, 200)
+        timed_allocates(yardstick_method, 200)
+        for _ in range(rounds):
+            round_latencies, cpu = _sequential(pid, daemon_method, per_round)
+            latencies += round_latencies
+            ours.append(cpu)
+            theirs.append(_sequential(server.pid, yardstick_method, per_round)[1])
     report.figures["allocate"] = {"unloaded_s": latencies, "cpu_s": ours, "grpcio_cpu_s": theirs}
     _judge_allocates(report, "unloaded", latencies)
     ratios = sorted(daemon / grpcio for daemon, grpcio in zip(ours, theirs, strict=True))
@@ -335,18 +324,10 @@ def floor(bench: Bench, count: int, dials: int) -> None:
     report = bench.report
     report.section("the floor: grpclib alone, and the Go yardstick (tools/e2e/yardstick)")
     socket_path = bench.node.root / "stack-floor.sock"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "bench.stack_floor", str(socket_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, **bench.env},
-    )  # fmt: skip
-    try:
-        assert server.stdout is not None
-        if server.stdout.readline().strip() != "serving":
-            raise RuntimeError("bench.stack_floor did not start")
+    with python_module(
+        "bench.stack_floor", str(socket_path), ready="serving", env=bench.env
+    ) as server:
         cpu = cpu_per_dial_back(server.pid, socket_path, dials)
-    finally:
-        server.kill()
-        server.wait()
     report.figures["dial_back_cpu_s"]["grpclib alone"] = cpu
     report.add("CPU per dial-back, grpclib alone on asyncio (bench/stack_floor.py)",
                f"{cpu * 1e6:.0f} us")  # fmt: skip
@@ -361,10 +342,9 @@ def floor(bench: Bench, count: int, dials: int) -> None:
         report.add("the Go yardstick's figures", f"not measured: go build exited {exc.returncode}")
         return
     before = len(accepted(bench.kubelet))
-    bench.logs += 1
-    yardstick = Daemon([str(binary), "--dir", str(bench.node.plugin_dir)],
-                       bench.node.root / f"yardstick-{bench.logs}.log")  # fmt: skip
-    bench.cleanup.callback(yardstick.close)
+    yardstick = bench.spawn_program(
+        str(binary), "--dir", str(bench.node.plugin_dir), name="yardstick"
+    )
     endpoint = bench.registered(before).endpoint
     cpu = cpu_per_dial_back(yardstick.pid, bench.socket(endpoint), dials)
     report.figures["dial_back_cpu_s"]["Go yardstick"] = cpu
