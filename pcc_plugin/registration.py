@@ -178,9 +178,9 @@ async def register_with_kubelet(
 ) -> None:
     """Register until kubelet accepts, logging each distinct refusal once.
 
-    A registration after kubelet.sock was created anew, or with another
-    kubelet.sock than the last one whichever event (our socket deleted, the
-    stream's end) made this generation start, is counted as a kubelet restart.
+    A registration is counted as a kubelet restart when this generation began
+    because kubelet.sock was created anew, or, whatever began it (our socket
+    deleted, the stream's end), when kubelet.sock is another than the last one.
     """
     backoff = backoff or Backoff()
     kubelet_socket = plugin_dir / KUBELET_SOCKET
