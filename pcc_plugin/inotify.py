@@ -66,27 +66,36 @@ def pending_events(inotify: Inotify) -> list[Event]:
             events.append(event)
 
 
-def _announce_wait(path: Path) -> None:
-    if path.exists():
+def _taken_by_a_file(path: Path) -> bool:
+    """Whether something stands at `path`, which is not a directory."""
+    return path.exists()
+
+
+def _announce_wait(path: Path, is_file: bool) -> None:
+    if is_file:
         log.warning("Waiting for %s to be a directory: it is a file now", path)
     else:
         log.info("Waiting for %s to be created (kubelet creates it at start)", path)
 
 
 async def wait_for_directory(path: Path) -> None:
-    """Return once `path` is a directory, watching its nearest existing ancestor meanwhile."""
-    announced = False
+    """Return once `path` is a directory, watching its nearest existing ancestor meanwhile.
+
+    Says what it waits for, and says it again when that changes (a file appears there).
+    """
+    announced_file: bool | None = None
     # Looked up before any inotify is opened: the directory is there at every kubelet restart.
     while (ancestor := nearest_existing_dir(path)) != path:
-        if not announced:
-            _announce_wait(path)
-            announced = True
+        is_file = _taken_by_a_file(path)
+        if is_file != announced_file:
+            _announce_wait(path, is_file)
+            announced_file = is_file
         with open_inotify() as inotify:
             try:
                 inotify.add_watch(ancestor, APPEARED | DIR_GONE | Mask.ONLYDIR)
             except (FileNotFoundError, NotADirectoryError):
                 continue
             # Watch first, then look: whatever is created after this is an event.
-            if nearest_existing_dir(path) != ancestor:
+            if nearest_existing_dir(path) != ancestor or _taken_by_a_file(path) != is_file:
                 continue
             await next_events(inotify)

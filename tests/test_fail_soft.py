@@ -76,8 +76,10 @@ async def test_the_plugin_dir_replaced_by_a_file(
         # Moved away in one step: the daemon may be serving a fresh socket in it meanwhile.
         gone = plugin_dir.with_name("gone")
         plugin_dir.rename(gone)
-        plugin_dir.write_text("not a directory")
         shutil.rmtree(gone)
+        await log_line(daemon, f"Waiting for {plugin_dir} to be created")
+        # What it waits for changed: it says so.
+        plugin_dir.write_text("not a directory")
         await log_line(daemon, f"Waiting for {plugin_dir} to be a directory: it is a file now")
         plugin_dir.unlink()
         await run_blocking(kubelet.start)
