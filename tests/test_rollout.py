@@ -93,12 +93,15 @@ async def test_a_rolling_update_hands_over_with_one_registration_each(
         second = await serving(kubelet, registrations=2)
         await log_line(old, "Following ")
         assert await run_blocking(old.terminate, signal.SIGTERM, WAIT) == 0
+        # Older kubelets drop the new instance when the old one's stream ends: it registers
+        # once more, at once. Newer kubelets need nothing more. Waiting for that registration
+        # waits out the drop, which kubelet makes after the old instance has exited.
+        registrations = 2 if kubelet.key_by == "endpoint" else 3
+        await serving(kubelet, registrations=registrations)
         await served_by(kubelet, second)
         response = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-5"]], WAIT)
         assert len(response.container_responses) == 1
-    # Older kubelets drop the new instance when the old one's stream ends: it registers once
-    # more, at once. Newer kubelets need nothing more.
-    assert kubelet.register_calls == (2 if kubelet.key_by == "endpoint" else 3)
+    assert kubelet.register_calls == registrations
     # The new instance never took the old one for a newer one.
     assert "Following" not in new.log_text()
 
