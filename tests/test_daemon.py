@@ -281,7 +281,7 @@ async def test_detect_failures_exit_1_with_the_searched_phrase_and_what_to_check
             fake_node.device.write_text("")
     with trio.fail_after(20):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
-        assert await run_blocking(daemon.proc.wait, 15) == 1
+        assert await run_blocking(daemon.exited, 15) == 1
         (line,) = daemon.log_text().splitlines()
         assert re.match(r"E\d{4} ", line)
         assert line.endswith(message.format(host=fake_node.host_root))
@@ -312,7 +312,7 @@ async def test_a_second_signal_forces_the_exit(
         os.kill(daemon.pid, signal.SIGTERM)
         os.kill(daemon.pid, signal.SIGINT)
         os.kill(daemon.pid, signal.SIGCONT)
-        assert await run_blocking(daemon.proc.wait, 10) in (
+        assert await run_blocking(daemon.exited, 10) in (
             128 + signal.SIGTERM,
             128 + signal.SIGINT,
         )

@@ -609,7 +609,7 @@ async def test_missing_credentials_are_one_line_and_exit_1(
     args = [arg for arg in dra_node.daemon_args() if not arg.startswith("--kubeconfig=")]
     with trio.fail_after(20):
         daemon = start_daemon(*args, f"--kubeconfig={dra_node.node.root / 'missing'}")
-        assert await run_blocking(daemon.proc.wait, 15) == 1
+        assert await run_blocking(daemon.exited, 15) == 1
     (line,) = [line for line in daemon.log_text().splitlines() if line.startswith("E")]
     assert line.endswith(
         f"cannot read API server credentials from --kubeconfig {dra_node.node.root / 'missing'}: "

@@ -662,5 +662,5 @@ async def test_a_bad_config_is_a_usage_error_of_one_line(
     config.write_bytes(data)
     with trio.fail_after(20):
         daemon = start_daemon(*fake_node.daemon_args(), f"--config={config}")
-        assert await run_blocking(daemon.proc.wait, 15) == 2
+        assert await run_blocking(daemon.exited, 15) == 2
     assert daemon.log_text() == f"pcc-device-plugin: {config}: {problem} (see --help)\n"

@@ -125,12 +125,16 @@ class Daemon:
         raise TimeoutError(f"{progress} after {timeout} s; log ends with:\n{tail}")
 
     def terminate(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
-        """Send ``sig`` to the daemon alone, wait for it to exit, and return its exit code.
+        """Send ``sig`` to the daemon alone, then `exited`."""
+        self.proc.send_signal(sig)
+        return self.exited(timeout)
+
+    def exited(self, timeout: float = 10.0) -> int:
+        """Wait for the daemon to exit and return its exit code.
 
         Returns once the output is read to its end too, so the log is complete. Raises
         subprocess.TimeoutExpired if the daemon outlives ``timeout`` (teardown then kills it).
         """
-        self.proc.send_signal(sig)
         returncode = self.proc.wait(timeout)
         self._reader.join(timeout)
         return returncode
