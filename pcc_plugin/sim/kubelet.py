@@ -230,10 +230,15 @@ class SimKubelet:
             self._planned_failures.extend(messages)
 
     def drop_stream(self, resource: str) -> None:
-        """End the active ListAndWatch stream of ``resource`` while the kubelet stays up."""
+        """End the active ListAndWatch stream of ``resource`` while the kubelet stays up.
+
+        Kubelet knows that the stream is over before the plugin can: its end is taken into
+        account here, before the plugin sees it and registers again.
+        """
         with self._changed:
             client = self._active_client(resource)
             self._record(f"dropping the ListAndWatch stream of {resource}")
+        self._stream_ended(client, "kubelet dropped it")
         client.list_and_watch.cancel()
 
     # Observation
@@ -587,6 +592,8 @@ class SimKubelet:
     def _stream_ended(self, client: PluginClient, reason: str) -> None:
         newest_to_disconnect: PluginClient | None = None
         with self._changed:
+            if client not in self._clients:
+                return  # dropped by kubelet, and taken into account then
             client.streaming = False
             client.connected = False
             self._clients.discard(client)
