@@ -46,6 +46,48 @@ async def serving(
     return [r for r in accepted(kubelet) if r.resource_name == resource][-1].endpoint
 
 
+def stream_ended(kubelet: SimKubelet, endpoint: str) -> bool:
+    """Whether kubelet has seen the ListAndWatch stream of `endpoint` end."""
+    return any(
+        "ListAndWatch ended unexpectedly" in event and f"({endpoint})" in event
+        for event in kubelet.events
+    )
+
+
+def dropped_by_kubelet(kubelet: SimKubelet, instance: str) -> int:
+    """How many registrations of `instance` (an endpoint's `<pid>-<token>`) kubelet dropped
+    because an older stream of their resource ended (kubelets before 1.35)."""
+    return sum(
+        event.startswith("disconnecting ")
+        and f"-{instance}-" in event.split()[1]
+        and "because an older stream" in event
+        for event in kubelet.events
+    )
+
+
+async def settled(kubelet: SimKubelet, resource: str = RESOURCE) -> str:
+    """Wait until kubelet has seen the stream of every registration of `resource` but the
+    newest end, and the newest serves its full list; return its endpoint.
+
+    Kubelets before 1.35 drop the newest registration when an older stream ends, however late
+    they see it end: until they have seen every older one end, a registration that serves
+    now can still be dropped, and the plugin registers once more.
+    """
+
+    def ready() -> bool:
+        registered = [r.endpoint for r in accepted(kubelet) if r.resource_name == resource]
+        return (
+            bool(registered)
+            and kubelet.active_endpoint(resource) == registered[-1]
+            and kubelet.stream_open(resource)
+            and kubelet.devices(resource) == HEALTHY_16
+            and all(stream_ended(kubelet, endpoint) for endpoint in registered[:-1])
+        )
+
+    await run_blocking(kubelet.wait_for, ready, WAIT)
+    return [r.endpoint for r in accepted(kubelet) if r.resource_name == resource][-1]
+
+
 # Kubelet went away leaving kubelet.sock behind: the daemon waits for it, or (if it saw the
 # socket replaced first) retries Register against it; either way quietly (at --v=1).
 KUBELET_GONE = re.compile("takes no connections|Kubelet is not reachable yet")
