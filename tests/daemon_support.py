@@ -13,6 +13,8 @@ from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 HEALTHY_16 = {f"pcc-{index}": "Healthy" for index in range(16)}
 WAIT = 10.0
+# The daemon's socket names: `pcc-<pid>-<token>-<generation>.sock`.
+OWN_SOCKET = re.compile(r"pcc-(\d+-[0-9a-f]{6})-\d+\.sock")
 
 
 def accepted(kubelet: SimKubelet) -> list[Registration]:
@@ -46,6 +48,13 @@ async def serving(
     return [r for r in accepted(kubelet) if r.resource_name == resource][-1].endpoint
 
 
+def instance(endpoint: str | None) -> str:
+    """The `<pid>-<token>` part of a socket name: which daemon serves it."""
+    own = OWN_SOCKET.fullmatch(endpoint or "")
+    assert own is not None, endpoint
+    return own.group(1)
+
+
 def stream_ended(kubelet: SimKubelet, endpoint: str) -> bool:
     """Whether kubelet has seen the ListAndWatch stream of `endpoint` end."""
     return any(
@@ -54,15 +63,14 @@ def stream_ended(kubelet: SimKubelet, endpoint: str) -> bool:
     )
 
 
-def dropped_by_kubelet(kubelet: SimKubelet, instance: str) -> int:
-    """How many registrations of `instance` (an endpoint's `<pid>-<token>`) kubelet dropped
-    because an older stream of their resource ended (kubelets before 1.35)."""
-    return sum(
-        event.startswith("disconnecting ")
-        and f"-{instance}-" in event.split()[1]
-        and "because an older stream" in event
-        for event in kubelet.events
-    )
+DROPPED = re.compile(r"disconnecting (\S+), .*because an older stream")
+
+
+def dropped_by_kubelet(kubelet: SimKubelet, endpoint: str) -> int:
+    """How many registrations of the daemon that served `endpoint` kubelet dropped because an
+    older stream of their resource ended (kubelets before 1.35)."""
+    dropped = (DROPPED.match(event) for event in kubelet.events)
+    return sum(1 for match in dropped if match and instance(match[1]) == instance(endpoint))
 
 
 async def settled(kubelet: SimKubelet, resource: str = RESOURCE) -> str:

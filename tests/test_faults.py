@@ -14,7 +14,6 @@ event (a kubelet state, a log line), under ``trio.fail_after``.
 from __future__ import annotations
 
 import contextlib
-import re
 import shutil
 import signal
 from typing import Any
@@ -25,9 +24,11 @@ import trio
 from daemon_support import (
     HEALTHY_16,
     KUBELET_GONE,
+    OWN_SOCKET,
     RESOURCE,
     WAIT,
     dropped_by_kubelet,
+    instance,
     log_line,
     serving,
     settled,
@@ -49,7 +50,6 @@ from pcc_plugin.sim.rules import ALLOCATE, LIST_AND_WATCH
 
 SHARES = MAX_CONTAINER_REQUESTS
 HEALTHY_SHARES = {f"pcc-{index}": "Healthy" for index in range(SHARES)}
-OWN_SOCKET = re.compile(r"pcc-(\d+-[0-9a-f]{6})-\d+\.sock")
 # How a call in flight may end when its peer goes away: answered first, or cut off.
 CUT_OFF_OR_ANSWERED = (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 
@@ -60,13 +60,6 @@ def lines_with(daemon: Daemon, text: str) -> list[str]:
 
 def own_sockets(node: FakeNode) -> set[str]:
     return {path.name for path in node.plugin_dir.iterdir() if OWN_SOCKET.fullmatch(path.name)}
-
-
-def instance(endpoint: str) -> str:
-    """The `<pid>-<token>` part of a socket name: which daemon serves it."""
-    own = OWN_SOCKET.fullmatch(endpoint)
-    assert own is not None, endpoint
-    return own.group(1)
 
 
 def vm_rss_kib(pid: int) -> int:
@@ -509,7 +502,7 @@ async def test_a_second_instance_takes_over_without_flapping(
         await run_blocking(kubelet.wait_for, lambda: stream_ended(kubelet, first_endpoint), WAIT)
         survivor = await settled(kubelet)
         assert await allocate_outcome(kubelet, [["pcc-2"]]) == grpc.StatusCode.OK
-    dropped = dropped_by_kubelet(kubelet, instance(second_endpoint))
+    dropped = dropped_by_kubelet(kubelet, second_endpoint)
     assert dropped == 0 if kubelet.key_by == "endpoint" else dropped >= 1
     assert kubelet.register_calls == 2 + dropped
     assert instance(survivor) == instance(second_endpoint)
