@@ -21,6 +21,22 @@ def accepted(kubelet: SimKubelet) -> list[Registration]:
     return [registration for registration in kubelet.registrations if registration.accepted]
 
 
+def _endpoints(kubelet: SimKubelet, resource: str) -> list[str]:
+    """The endpoints of `resource`'s accepted registrations, oldest first."""
+    return [r.endpoint for r in accepted(kubelet) if r.resource_name == resource]
+
+
+def _newest_serves(
+    kubelet: SimKubelet, endpoints: list[str], devices: dict[str, str], resource: str
+) -> bool:
+    return (
+        # A legacy kubelet keeps using the previous plugin until it has dialled the new one.
+        kubelet.active_endpoint(resource) == endpoints[-1]
+        and kubelet.stream_open(resource)
+        and kubelet.devices(resource) == devices
+    )
+
+
 async def serving(
     kubelet: SimKubelet,
     registrations: int = 1,
@@ -35,17 +51,13 @@ async def serving(
     """
 
     def ready() -> bool:
-        registered = [r for r in accepted(kubelet) if r.resource_name == resource]
-        return (
-            len(registered) >= registrations
-            # A legacy kubelet keeps using the previous plugin until it has dialled the new one.
-            and kubelet.active_endpoint(resource) == registered[-1].endpoint
-            and kubelet.stream_open(resource)
-            and kubelet.devices(resource) == devices
+        endpoints = _endpoints(kubelet, resource)
+        return len(endpoints) >= registrations and _newest_serves(
+            kubelet, endpoints, devices, resource
         )
 
     await run_blocking(kubelet.wait_for, ready, WAIT)
-    return [r for r in accepted(kubelet) if r.resource_name == resource][-1].endpoint
+    return _endpoints(kubelet, resource)[-1]
 
 
 def instance(endpoint: str | None) -> str:
@@ -83,17 +95,15 @@ async def settled(kubelet: SimKubelet, resource: str = RESOURCE) -> str:
     """
 
     def ready() -> bool:
-        registered = [r.endpoint for r in accepted(kubelet) if r.resource_name == resource]
+        endpoints = _endpoints(kubelet, resource)
         return (
-            bool(registered)
-            and kubelet.active_endpoint(resource) == registered[-1]
-            and kubelet.stream_open(resource)
-            and kubelet.devices(resource) == HEALTHY_16
-            and all(stream_ended(kubelet, endpoint) for endpoint in registered[:-1])
+            bool(endpoints)
+            and _newest_serves(kubelet, endpoints, HEALTHY_16, resource)
+            and all(stream_ended(kubelet, endpoint) for endpoint in endpoints[:-1])
         )
 
     await run_blocking(kubelet.wait_for, ready, WAIT)
-    return [r.endpoint for r in accepted(kubelet) if r.resource_name == resource][-1]
+    return _endpoints(kubelet, resource)[-1]
 
 
 # Kubelet went away leaving kubelet.sock behind: the daemon waits for it, or (if it saw the
