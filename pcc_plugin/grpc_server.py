@@ -188,6 +188,9 @@ class Connection:
         self.closed = False
         self._calls: set[asyncio.Task[Any]] = set()
         self._changed = trio.Event()
+        # Whether the watcher waits for the open calls to end: only then does the last one's
+        # end wake it (waking trio costs a thread switch; most calls need not).
+        self._awaiting_calls = False
 
     def __repr__(self) -> str:
         return f"connection {self.number}"
@@ -206,8 +209,17 @@ class Connection:
         return len(self._calls)
 
     async def changed(self) -> None:
-        """Until the first call, a call's end, or the close."""
+        """Until the HTTP/2 preface, the first call, or the close."""
         await self._changed.wait()
+
+    async def calls_ended(self) -> None:
+        """Until no call is open, or the close."""
+        self._awaiting_calls = True
+        try:
+            while self._calls and not self.closed:
+                await self._changed.wait()
+        finally:
+            self._awaiting_calls = False
 
     def _notify(self) -> None:
         self._changed.set()
@@ -230,7 +242,8 @@ class Connection:
     def call_ended(self, task: asyncio.Task[Any]) -> None:
         self._calls.discard(task)
         self.last_active = trio.current_time()
-        self._notify()
+        if self._awaiting_calls and not self._calls:
+            self._notify()
 
     def lost(self) -> None:
         self.closed = True
@@ -439,7 +452,7 @@ class Server:
             return
         while not connection.closed:
             if connection.open_calls:
-                await connection.changed()
+                await connection.calls_ended()
                 continue
             idle_until = connection.last_active + IDLE_TIMEOUT
             if trio.current_time() >= idle_until:
