@@ -81,7 +81,7 @@ def log_versions(session: nox.Session, *names: str) -> None:
     )  # fmt: skip
 
 
-DEPENDENCIES = ("trio", "trio-asyncio", "grpclib", "h2", "hpack", "betterproto2", "asyncinotify",
+DEPENDENCIES = ("trio", "grpclib", "h2", "hpack", "betterproto2", "asyncinotify",
          "attrs", "h11", "pyyaml", "lightkube", "lightkube-models", "httpx", "grpcio",
          "protobuf")  # fmt: skip
 

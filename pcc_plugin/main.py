@@ -65,15 +65,13 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             sys.exit(1)
     raise_open_file_limit()
 
-    import trio
-
-    from pcc_plugin import supervisor
+    from pcc_plugin import bridge, supervisor
     from pcc_plugin.errors import FatalError
 
     settle_after_imports()
     fatal: list[BaseException] = []
     try:
-        trio.run(supervisor.run, config, served)
+        bridge.run(supervisor.run, config, served)
     except* FatalError as group:
         fatal = _leaves(group)
     # Outside the except* block: Python before 3.11.4 (Debian 12's 3.11.2, the image's) wraps an

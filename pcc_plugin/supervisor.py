@@ -1,6 +1,6 @@
 """The daemon's nursery tree, drawn here and only here: every task of the process.
 
-    run                              bridge.asyncio_loop (grpclib's asyncio loop, one per process)
+    run                              under bridge.run: trio, a guest of grpclib's asyncio loop
     └── root nursery
         ├── handle_signals           TERM/INT/QUIT stop; HUP reloads; USR1 logs this tree
         └── stop scope
@@ -54,7 +54,7 @@ import attrs
 import trio
 from asyncinotify import Inotify
 
-from pcc_plugin import bridge, grpc_server
+from pcc_plugin import grpc_server
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.configuration import Configuration, watch_config_file
 from pcc_plugin.errors import FatalError
@@ -104,7 +104,7 @@ async def run(config: Flags, served: Served) -> None:
     configuration = Configuration(served.specs, path, served.digest)
     reloads, reload_requests = trio.open_memory_channel[str](1)
     resources = Resources(config, configuration)
-    async with bridge.asyncio_loop(), trio.open_nursery() as root:
+    async with trio.open_nursery() as root:
         stop = trio.CancelScope()
         await root.start(handle_signals, stop, reloads, resources)
         with stop:

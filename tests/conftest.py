@@ -38,7 +38,9 @@
     session, with ``env`` merged into the environment and its output in a log file; the whole
     process group is killed at teardown, and the log printed (pytest shows it on failure).
 
-Tests run under pytest-trio: call blocking helpers through
+Tests run under pytest-trio: a test (or module) marked ``asyncio_host`` runs under
+``pcc_plugin.bridge.run``, with an asyncio loop for grpclib, as the daemon runs; the others under
+``trio.run``. Call blocking helpers through
 ``await run_blocking(fn, *args)`` (``pcc_plugin.sim.run_blocking``), give them a timeout of
 their own, and wrap every test that does I/O in ``with trio.fail_after(N):``.
 """
@@ -46,6 +48,7 @@ their own, and wrap every test that does I/O in ``with trio.fail_after(N):``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import socket
 import tempfile
@@ -56,11 +59,21 @@ from pathlib import Path
 import pytest
 from dra_support import NODE, DraNode
 
+from pcc_plugin import bridge
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon
 from pcc_plugin.sim.apiserver import FakeApiServer
 from pcc_plugin.sim.dra import SimDraKubelet
 
 KUBELET_KINDS = ("current", "resource-keyed", "legacy")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """pytest-trio runs a test with the runner of its first `trio` mark: put bridge.run's
+    first for tests marked asyncio_host (trio_mode marks every async test with trio.run)."""
+    for item in items:
+        test = getattr(item, "obj", None)
+        if item.get_closest_marker("asyncio_host") and inspect.iscoroutinefunction(test):
+            item.add_marker(pytest.mark.trio(run=bridge.run), append=False)
 
 
 def make_kubelet(fake_node: FakeNode, kind: str) -> SimKubelet:

@@ -41,6 +41,8 @@ Frame = hyperframe.frame.Frame
 
 LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
 
+pytestmark = pytest.mark.asyncio_host
+
 
 @pytest.fixture
 def socket_path() -> Iterator[Path]:
@@ -59,7 +61,7 @@ async def serving(
     plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceStats())
     service = DevicePluginService(plugin, KubeletLink(plugin.stats))
     server = grpc_server.Server(service.methods(), service.on_error, idle_client=idle_client)
-    async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
+    async with trio.open_nursery() as nursery:
         listener, own = grpc_server.bind(socket_path)
         await nursery.start(grpc_server.serve, server, listener, socket_path, own)
         yield server
@@ -106,13 +108,12 @@ async def test_teardown_closes_live_streams_waits_for_their_tasks_and_removes_th
     outcome: queue.Queue[object] = queue.Queue()
     get = functools.partial(trio.to_thread.run_sync, outcome.get, abandon_on_cancel=True)
     with trio.fail_after(10):
-        async with bridge.asyncio_loop():
-            async with serving(socket_path):
-                channel = watch_in_thread(socket_path, outcome)
-                assert await get() == 16
-                assert await request_tasks() == 1
-            # Nothing of the torn-down server outlives it.
-            assert await request_tasks() == 0
+        async with serving(socket_path):
+            channel = watch_in_thread(socket_path, outcome)
+            assert await get() == 16
+            assert await request_tasks() == 1
+        # Nothing of the torn-down server outlives it.
+        assert await request_tasks() == 0
         # The client sees the end at once instead of hanging on an open connection.
         assert await get() == grpc.StatusCode.UNAVAILABLE
         channel.close()
@@ -220,23 +221,19 @@ async def test_at_the_connection_limit_the_oldest_silent_one_makes_room(
 async def test_an_error_in_an_asyncio_callback_is_logged_and_contained(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """trio-asyncio's own handler would raise it into the loop, ending the daemon."""
-
     def broken() -> None:
         raise RuntimeError("a transport's bug")
 
+    async def schedule() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(broken)
+        # Callbacks run in order: once this one has, so has the broken one.
+        after = loop.create_future()
+        loop.call_soon(after.set_result, None)
+        await after
+
     with trio.fail_after(10):
-        async with bridge.asyncio_loop():
-
-            async def schedule() -> None:
-                loop = asyncio.get_running_loop()
-                loop.call_soon(broken)
-                # Callbacks run in order: once this one has, so has the broken one.
-                after = loop.create_future()
-                loop.call_soon(after.set_result, None)
-                await after
-
-            await bridge.call_asyncio(schedule)
+        await bridge.call_asyncio(schedule)
     (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
     assert "contained: the daemon goes on" in record.getMessage()
     assert record.exc_info is not None

@@ -3,7 +3,7 @@
 pcc_plugin/_grpclib.py names four private parts of grpclib (`Server._protocol_factory`,
 `Server._mapping`, `Stream._stream`, and `_transport` in its client's AttributeError); an
 upgrade that changes one fails in this file first.
-The last tests pin what bridge.py corrects in trio-asyncio.
+The last test pins what grpc_server.CONNECTION relies on in asyncio.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import grpclib.encoding.proto
 import grpclib.exceptions
 import pytest
 import trio
-import trio_asyncio
 from raw_clients import Outcome, call_on, grpc_frame
 
 from pcc_plugin import _grpclib, bridge
@@ -32,6 +31,8 @@ GRPCError = grpclib.exceptions.GRPCError
 Status = grpclib.const.Status
 ECHO = "/test.Service/Echo"
 UNIMPLEMENTED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT = 12, 8, 3
+
+pytestmark = pytest.mark.asyncio_host
 
 Method = Callable[[_grpclib.ServerStream], Coroutine[Any, Any, None]]
 
@@ -51,19 +52,18 @@ async def one_call(method: Method, path: str, body: bytes, *, end_stream: bool =
     server_side, client_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     client_side.settimeout(5)
     with client_side:
-        async with bridge.asyncio_loop():
-            grpc = _grpclib.server({ECHO: (method, False)}, unknown, 65_535)
-            transport, _ = await bridge.call_asyncio(
-                asyncio.get_running_loop().connect_accepted_socket,
-                lambda: _grpclib.protocol(grpc),
-                server_side,
+        grpc = _grpclib.server({ECHO: (method, False)}, unknown, 65_535)
+        transport, _ = await bridge.call_asyncio(
+            asyncio.get_running_loop().connect_accepted_socket,
+            lambda: _grpclib.protocol(grpc),
+            server_side,
+        )
+        try:
+            return await trio.to_thread.run_sync(
+                lambda: call_on(client_side, path, body, end_stream=end_stream)
             )
-            try:
-                return await trio.to_thread.run_sync(
-                    lambda: call_on(client_side, path, body, end_stream=end_stream)
-                )
-            finally:
-                transport.abort()
+        finally:
+            transport.abort()
 
 
 async def test_grpclib_serves_a_connection_it_did_not_accept() -> None:
@@ -116,19 +116,18 @@ async def test_grpclibs_client_fails_on_a_closed_connection_only_in_ways_we_know
     AttributeError `lost_before_the_call` knows (grpclib 0.4: about half of them)."""
     failures: list[Exception] = []
     with trio.fail_after(60):
-        async with bridge.asyncio_loop():
-            for _ in range(50):
-                channel = grpclib.client.Channel(
-                    path=str(closing_socket), codec=grpclib.encoding.proto.ProtoCodec()
-                )
-                method = grpclib.client.UnaryUnaryMethod(channel, ECHO, Empty, Empty)
-                try:
-                    await bridge.call_asyncio(method, Empty(), timeout=5)
-                except (AttributeError, OSError, grpclib.exceptions.StreamTerminatedError,
-                        grpclib.exceptions.ProtocolError) as error:  # fmt: skip
-                    failures.append(error)
-                finally:
-                    channel.close()
+        for _ in range(50):
+            channel = grpclib.client.Channel(
+                path=str(closing_socket), codec=grpclib.encoding.proto.ProtoCodec()
+            )
+            method = grpclib.client.UnaryUnaryMethod(channel, ECHO, Empty, Empty)
+            try:
+                await bridge.call_asyncio(method, Empty(), timeout=5)
+            except (AttributeError, OSError, grpclib.exceptions.StreamTerminatedError,
+                    grpclib.exceptions.ProtocolError) as error:  # fmt: skip
+                failures.append(error)
+            finally:
+                channel.close()
     assert len(failures) == 50, "a server that closes at once answered"
     unknown = [
         error
@@ -136,22 +135,6 @@ async def test_grpclibs_client_fails_on_a_closed_connection_only_in_ways_we_know
         if isinstance(error, AttributeError) and not _grpclib.lost_before_the_call(error)
     ]
     assert unknown == []
-
-
-async def test_trio_asyncio_raises_an_asyncio_callbacks_error_unless_handled() -> None:
-    """Why bridge.asyncio_loop sets its own exception handler."""
-
-    def broken() -> None:
-        raise RuntimeError("boom")
-
-    async def run_a_loop_with_a_broken_callback() -> None:
-        async with trio_asyncio.open_loop() as loop:
-            loop.call_soon(broken)
-            await trio.sleep_forever()
-
-    with pytest.raises(BaseExceptionGroup) as raised, trio.fail_after(10):
-        await run_a_loop_with_a_broken_callback()
-    assert raised.group_contains(RuntimeError, match="boom")
 
 
 async def test_a_task_started_in_a_callback_keeps_the_callbacks_context() -> None:
@@ -171,5 +154,4 @@ async def test_a_task_started_in_a_callback_keeps_the_callbacks_context() -> Non
         return await task
 
     with trio.fail_after(10):
-        async with bridge.asyncio_loop():
-            assert await bridge.call_asyncio(started_in_a_callback) == "this connection"
+        assert await bridge.call_asyncio(started_in_a_callback) == "this connection"

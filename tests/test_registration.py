@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from pcc_plugin import bridge, grpc_clients
+from pcc_plugin import grpc_clients
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.fs import identity
 from pcc_plugin.plugin_dir import KUBELET_RESTARTED
@@ -165,6 +165,7 @@ async def test_an_unreachable_kubelet_is_an_error_only_after_the_grace(
     assert round(down_until - start) <= away <= down_until - start + 6
 
 
+@pytest.mark.asyncio_host
 async def test_a_kubelet_that_closes_the_connection_at_once_is_unreachable(
     closing_socket: Path,
 ) -> None:
@@ -173,10 +174,9 @@ async def test_a_kubelet_that_closes_the_connection_at_once_is_unreachable(
     its own, which ended a generation as a fault and backed off (seen in the e2e's race)."""
     request = api.RegisterRequest(version="v1beta1", endpoint="pcc.sock", resource_name="a/b")
     with trio.fail_after(60):
-        async with bridge.asyncio_loop():
-            for _ in range(50):
-                with pytest.raises(grpc_clients.Unreachable):
-                    await grpc_clients.register(closing_socket, request, 5.0)
+        for _ in range(50):
+            with pytest.raises(grpc_clients.Unreachable):
+                await grpc_clients.register(closing_socket, request, 5.0)
 
 
 async def test_register_waits_without_polling_while_kubelet_sock_is_missing(

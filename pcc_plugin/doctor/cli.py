@@ -8,8 +8,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-import trio
-
 from pcc_plugin import bridge, flags, klog
 from pcc_plugin.doctor.config import check_config
 from pcc_plugin.doctor.dra import check_driver, check_registry_dir
@@ -64,11 +62,10 @@ async def examine(
     else:
         for result in check_pcc_node(specs[0], host_root):
             report(result)
-    async with bridge.asyncio_loop():
-        if mode == "dra":
-            await _examine_dra(config, report)
-        else:
-            await _examine_device_plugin(config, specs, report)
+    if mode == "dra":
+        await _examine_dra(config, report)
+    else:
+        await _examine_device_plugin(config, specs, report)
     report(await check_readyz(config.metrics_bind_address))
     if config.config:
         report(
@@ -136,7 +133,7 @@ def main(argv: Sequence[str]) -> NoReturn:
         results.append(result)
         print(result.line(), flush=True)
 
-    trio.run(examine, config, specs, report, digest, config_problem, mode)
+    bridge.run(examine, config, specs, report, digest, config_problem, mode)
     counts = collections.Counter(result.status for result in results)
     print(
         f"{counts['PASS']} passed, {counts['WARN']} warned, {counts['FAIL']} failed, "
