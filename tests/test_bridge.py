@@ -1,4 +1,4 @@
-"""bridge.run: trio as a guest of asyncio's loop; awaiting across, cancelling across, cleaning up."""
+"""bridge.run: trio as a guest of asyncio's loop; awaiting, cancelling and cleaning up across."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ async def test_each_side_awaits_the_other_and_gets_its_result_or_its_error() -> 
         return value + 1
 
     async def in_trio(value: int) -> int:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         return value * 2
 
     async def asyncio_calls_trio(value: int) -> int:
@@ -135,7 +135,7 @@ def test_run_returns_the_result_and_leaves_no_asyncio_task_behind(
 
     async def main() -> str:
         asyncio.get_running_loop().create_task(forever())
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         return "done"
 
     assert bridge.run(main) == "done"

@@ -33,7 +33,7 @@ from metrics_support import get, metrics_port, scrape, value
 from raw_clients import closed_by_server, connect
 
 from pcc_plugin import flags, grpc_server
-from pcc_plugin.dra import claims, slices
+from pcc_plugin.dra import claims, kube, slices
 from pcc_plugin.dra import service as dra_service
 from pcc_plugin.dra.driver import remove_stale_sockets, socket_paths, state_dir
 from pcc_plugin.flags import PROG, Flags
@@ -616,6 +616,51 @@ async def test_missing_credentials_are_one_line_and_exit_1(
         f"Configuration file {dra_node.node.root / 'missing'} not found; give a readable "
         "kubeconfig file"
     )
+    assert "Traceback" not in daemon.log_text()
+
+
+@pytest.mark.parametrize("version", [kube.EXEC_V1, kube.EXEC_V1BETA1])
+async def test_an_exec_credential_plugin_of_either_version_gets_the_token(
+    dra_node: DraNode, start_daemon: StartDaemon, version: str
+) -> None:
+    """A kubeconfig whose user runs a command (as cloud providers' do): the command runs on
+    asyncio's side (trio cannot run lightkube's subprocess), told what client-go tells it."""
+    kubeconfig = dra_node.api.write_kubeconfig(dra_node.node.root / "exec.json", version)
+    args = [arg for arg in dra_node.daemon_args() if not arg.startswith("--kubeconfig=")]
+    with trio.fail_after(30):
+        daemon = start_daemon(*args, f"--kubeconfig={kubeconfig}")
+        await published(dra_node, SHARES)
+    assert "Traceback" not in daemon.log_text()
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (
+            {"apiVersion": "client.authentication.k8s.io/v1alpha1"},
+            "its exec credential plugin has apiVersion client.authentication.k8s.io/v1alpha1; "
+            "use client.authentication.k8s.io/v1 or client.authentication.k8s.io/v1beta1",
+        ),
+        (
+            {"interactiveMode": "Always"},
+            "its exec credential plugin needs a terminal (interactiveMode: Always), which a "
+            "daemon has not; use a plugin with interactiveMode Never or IfAvailable",
+        ),
+    ],
+)
+async def test_an_exec_credential_plugin_the_driver_cannot_run_is_one_line_and_exit_1(
+    dra_node: DraNode, start_daemon: StartDaemon, change: dict[str, str], says: str
+) -> None:
+    kubeconfig = dra_node.api.write_kubeconfig(dra_node.node.root / "exec.json", kube.EXEC_V1)
+    config = json.loads(kubeconfig.read_text())
+    config["users"][0]["user"]["exec"].update(change)
+    kubeconfig.write_text(json.dumps(config))
+    args = [arg for arg in dra_node.daemon_args() if not arg.startswith("--kubeconfig=")]
+    with trio.fail_after(20):
+        daemon = start_daemon(*args, f"--kubeconfig={kubeconfig}")
+        assert await run_blocking(daemon.exited, 15) == 1
+    (line,) = [line for line in daemon.log_text().splitlines() if line.startswith("E")]
+    assert line.endswith(f"cannot use the credentials of --kubeconfig {kubeconfig}: {says}")
     assert "Traceback" not in daemon.log_text()
 
 

@@ -20,6 +20,7 @@ import itertools
 import json
 import re
 import socket
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -31,6 +32,17 @@ from urllib.parse import parse_qs, urlsplit
 Obj = dict[str, Any]
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
+# An exec credential plugin: prints the token it is given, in the ExecCredential of the API
+# version client-go asked for in KUBERNETES_EXEC_INFO, and only to a non-interactive caller.
+_CREDENTIAL_PLUGIN = """\
+import json, os, sys
+info = json.loads(os.environ.get("KUBERNETES_EXEC_INFO") or "{}")
+if info.get("kind") != "ExecCredential" or info.get("spec", {}).get("interactive") is not False:
+    sys.exit(f"unexpected KUBERNETES_EXEC_INFO: {info}")
+credential = {"kind": "ExecCredential", "apiVersion": info["apiVersion"]}
+credential["status"] = {"token": sys.argv[1]}
+print(json.dumps(credential))
+"""
 MAX_DEVICES_PER_SLICE = 128
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
@@ -129,13 +141,30 @@ class FakeApiServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def write_kubeconfig(self, path: Path) -> Path:
-        """A kubeconfig for the daemon's --kubeconfig (JSON is YAML)."""
+    def write_kubeconfig(self, path: Path, exec_api_version: str | None = None) -> Path:
+        """A kubeconfig for the daemon's --kubeconfig (JSON is YAML).
+
+        With `exec_api_version`, its user gets the token from an exec credential plugin of that
+        API version instead (a script written beside it, as cloud providers' kubeconfigs run a
+        command): the plugin answers only as client-go would have run it, else exits 1.
+        """
+        user: Obj = {"token": self.token}
+        if exec_api_version is not None:
+            plugin = path.with_name(f"{path.stem}-credential-plugin.py")
+            plugin.write_text(_CREDENTIAL_PLUGIN)
+            user = {
+                "exec": {
+                    "apiVersion": exec_api_version,
+                    "command": sys.executable,
+                    "args": [str(plugin), self.token],
+                    "interactiveMode": "Never",
+                }
+            }
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "sim", "cluster": {"server": self.url}}],
-            "users": [{"name": "sim", "user": {"token": self.token}}],
+            "users": [{"name": "sim", "user": user}],
             "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "sim"}}],
             "current-context": "sim",
         }
