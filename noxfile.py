@@ -14,8 +14,10 @@ from pathlib import Path
 import nox
 
 # tools/images.py builds the image for each architecture; the image sessions call it.
+# tools/pythons.py gives the other Pythons CI tests on.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))
 import images
+import pythons as other_pythons
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "typecheck", "tests"]
@@ -117,6 +119,38 @@ def slow(session: nox.Session) -> None:
     """Restart storms (300 kubelet restarts), connection floods, memory bounds, fuzzing."""
     install_dev(session)
     session.run("pytest", "-n", TEST_WORKERS, "-m", "slow", *session.posargs)
+
+
+# What `pythons` runs by default: the README's quick start on the newest Python, the tests on
+# the ones between (the oldest, Debian 12's 3.11, runs every other session).
+OTHER_PYTHONS = (("3.15", ("-s", "demo")), ("3.15", ()), ("3.13", ("-s", "tests")),
+                 ("3.14", ("-s", "tests")))  # fmt: skip
+
+
+@nox.session(venv_backend="none")
+def pythons(session: nox.Session) -> None:
+    """The README's two commands on Python 3.15 (Debian sid), the tests on 3.13 (pyenv) and
+    3.14 (Debian sid), each as `python3.X tools/dev.py` in a namespace of its own (see
+    tools/pythons.py). With versions as arguments, the README's two commands on each of them
+    (`nox -s pythons -- 3.13 3.14`). Needs root, unshare, chroot, and debootstrap once.
+    """
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("chroot") is None:
+        session.error("nox -s pythons needs root, unshare and chroot (util-linux, coreutils)")
+    plan = [(v, args) for v in session.posargs for args in (("-s", "demo"), ())]
+    failed = []
+    for version, args in plan or OTHER_PYTHONS:
+        started = time.monotonic()
+        try:
+            status = other_pythons.run(version, args, session.log)
+        except other_pythons.Unavailable as error:
+            session.error(f"Python {version}: {error}")
+        what = f"Python {version}: tools/dev.py {' '.join(args)}".rstrip()
+        session.log(f"{what}: {'passed' if status == 0 else 'FAILED'} in "
+                    f"{time.monotonic() - started:.0f} s")  # fmt: skip
+        if status:
+            failed.append(what)
+    if failed:
+        session.error(f"failed: {'; '.join(failed)}")
 
 
 @nox.session

@@ -6,12 +6,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.server
+import importlib.util
 import io
 import os
 import platform
 import subprocess
 import sys
 import threading
+import tomllib
+import types
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,3 +156,38 @@ def test_uv_trusts_the_system_certificate_store_unless_told_otherwise(
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == f"UV_SYSTEM_CERTS={seen}\n"
+
+
+def load_dev() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("dev", DEV)
+    assert spec is not None
+    assert spec.loader is not None
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    return dev
+
+
+@pytest.mark.parametrize(
+    ("version", "says"),
+    [
+        ((3, 11, 2), None),
+        ((3, 15, 2), None),
+        ((3, 10, 14), "needs Python 3.11 to 3.15 (what CI tests), this is 3.10.14 (/usr/bin/py); "
+         "run it with one of those (e.g. python3.15 tools/dev.py)"),
+        ((3, 16, 0), "needs Python 3.11 to 3.15 (what CI tests), this is 3.16.0 (/usr/bin/py); "
+         "run it with one of those (e.g. python3.15 tools/dev.py)"),
+    ],
+)  # fmt: skip
+def test_a_python_outside_the_tested_range_is_one_line(
+    version: tuple[int, ...], says: str | None
+) -> None:
+    assert load_dev().python_problem(version, "/usr/bin/py") == says
+
+
+def test_the_tested_range_is_what_pyproject_declares() -> None:
+    """pip refuses another Python with requires-python; dev.py says the same range."""
+    dev = load_dev()
+    with (DEV.parent.parent / "pyproject.toml").open("rb") as file:
+        declared = tomllib.load(file)["project"]["requires-python"]
+    oldest, newest = dev.OLDEST, dev.NEWEST
+    assert declared == f">={oldest[0]}.{oldest[1]},<{newest[0]}.{newest[1] + 1}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run the project's nox sessions with nothing but python3 (3.11 or newer):
+"""Run the project's nox sessions with nothing but python3 (3.11 to 3.15):
 
     python3 tools/dev.py -s demo      # the demo
     python3 tools/dev.py              # the default sessions: lint, typecheck, tests
@@ -28,6 +28,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+# The CPython versions CI tests, as pyproject.toml's requires-python says (a test checks both).
+OLDEST, NEWEST = (3, 11), (3, 15)
 NOX_VERSION = "2026.10.20"
 UV_VERSION = "0.13.9"
 # The wheel of that uv release for each machine, and its SHA-256 as PyPI publishes it.
@@ -111,9 +113,22 @@ def install(binary: Path, filename: str, sha256: str) -> None:
     os.replace(staged, binary)
 
 
+def python_problem(version: tuple[int, ...], executable: str) -> str | None:
+    """Why this project cannot run on Python `version`, in one line, or None."""
+    if OLDEST <= tuple(version[:2]) <= NEWEST:
+        return None
+    tested = "{}.{} to {}.{}".format(*OLDEST, *NEWEST)
+    return (
+        f"needs Python {tested} (what CI tests), this is "
+        f"{'.'.join(map(str, version[:3]))} ({executable}); run it with one of those "
+        f"(e.g. python3.{NEWEST[1]} tools/dev.py)"
+    )
+
+
 def main() -> None:
-    if sys.version_info < (3, 11):  # noqa: UP036 (run by any python3, not only ours)
-        fail(f"needs Python 3.11 or newer, this is {platform.python_version()} ({sys.executable})")
+    problem = python_problem(tuple(sys.version_info[:3]), sys.executable)
+    if problem:
+        fail(problem)
     uv = uv_binary()
     env = {**os.environ, "PATH": f"{uv.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     # uv trusts only the roots it bundles unless told otherwise; Python, which fetched uv, and
