@@ -29,7 +29,7 @@ PROG = "pcc-device-plugin"
 # The DaemonSet's name in manifests/, which passes it from the pod label app.kubernetes.io/instance.
 DEFAULT_INSTANCE_NAME = PROG
 # Printed by `--version --v=1`: what a bug report needs besides our own version.
-STACK = ("trio", "trio-asyncio", "grpclib", "betterproto2", "asyncinotify", "attrs")
+STACK = ("trio", "grpclib", "betterproto2", "asyncinotify", "attrs")
 # A unix socket path holds at most 107 bytes; our socket names take up to 51
 # (`<prefix of up to 20>-<pid>-<token>-<n>.sock`).
 MAX_PLUGIN_DIR_BYTES = 56

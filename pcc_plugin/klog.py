@@ -44,7 +44,7 @@ def configure(verbosity: int) -> None:
     # below --v=2, where operators debug the wire.
     logging.getLogger("grpclib").setLevel(logging.DEBUG if verbosity >= 2 else logging.CRITICAL)
     # HTTP/2 frame and header tracing is for debugging h2 itself, not the plugin.
-    for name in ("h2", "hpack", "asyncio", "trio-asyncio"):
+    for name in ("h2", "hpack", "asyncio"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # --mode=dra: the API client logs every request at INFO; the driver says what matters.
     for name in ("httpx", "httpcore"):

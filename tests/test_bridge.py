@@ -140,8 +140,10 @@ def test_run_returns_the_result_and_leaves_no_asyncio_task_behind(
 
     assert bridge.run(main) == "done"
     assert seen == ["cancelled"]
-    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert "outlived the daemon's run" in record.getMessage()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == bridge.log.name]
+    assert len(said) == 1, said
+    assert said[0][0] == logging.ERROR
+    assert "outlived the daemon's run" in said[0][1]
 
 
 def test_run_raises_what_the_trio_function_raised() -> None:

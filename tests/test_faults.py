@@ -91,8 +91,7 @@ async def allocate_outcome(kubelet: SimKubelet, requests: list[list[str]]) -> gr
 
 
 # RSS growth allowed over the storm after a warm-up. Measured here: about 1 MiB over those 270
-# restarts, flattening later (allocator pools kept by a few long-lived objects, such as grpclib's
-# cancelled keepalive timers, which trio-asyncio keeps until they are due); a generation's
+# restarts, flattening later (allocator pools kept by a few long-lived objects); a generation's
 # server, connection or stream kept alive each time would add several times the limit.
 STORM = 300
 WARM_UP = 30
