@@ -132,6 +132,10 @@ async def call_asyncio(
             task.cancel()
             with trio.CancelScope(shield=True):
                 await finished.wait()
+            # What it ended with instead (grpclib's client: its connection lost) is moot now;
+            # unread, asyncio would log it as never retrieved.
+            if not task.cancelled():
+                task.exception()
     if task.cancelled():
         raise RuntimeError(f"{function!r} was cancelled on the asyncio side")
     return task.result()
