@@ -133,10 +133,11 @@ async def call_asyncio(
             task.cancel()
             with trio.CancelScope(shield=True):
                 await finished.wait()
-            # What it ended with instead (grpclib's client: its connection lost) is moot now;
-            # unread, asyncio would log it as never retrieved.
-            if not task.cancelled():
-                task.exception()
+        # Left for trio's cancellation, what the task ended with (grpclib's client: its
+        # connection lost, as it was cancelled or just before) is moot; unread, asyncio would
+        # log it as never retrieved.
+        if not task.cancelled():
+            task.exception()
     if task.cancelled():
         raise RuntimeError(f"{function!r} was cancelled on the asyncio side")
     return task.result()

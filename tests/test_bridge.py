@@ -78,11 +78,19 @@ async def test_what_an_asyncio_task_raises_as_trio_cancels_it_is_not_reported_as
         except asyncio.CancelledError:
             raise ConnectionResetError("lost as it was cancelled") from None
 
+    async def fails_as_trio_cancels(scope: trio.CancelScope) -> None:
+        # Ends before trio's side runs again, which then finds it done, and is cancelled.
+        scope.cancel()
+        raise ConnectionResetError("lost as trio cancelled the call")
+
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(bridge.call_asyncio, fails_as_it_is_cancelled)
             await trio.testing.wait_all_tasks_blocked()
             nursery.cancel_scope.cancel()
+        with trio.CancelScope() as scope:
+            await bridge.call_asyncio(fails_as_trio_cancels, scope)
+    assert scope.cancelled_caught
     gc.collect()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
