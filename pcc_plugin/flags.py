@@ -34,11 +34,9 @@ STACK = ("trio", "trio-asyncio", "grpclib", "betterproto2", "asyncinotify", "att
 # (`<prefix of up to 20>-<pid>-<token>-<n>.sock`).
 MAX_PLUGIN_DIR_BYTES = 56
 MODES = ("device-plugin", "dra")
-# A ResourceSlice's string attributes hold at most this many characters.
-MAX_ATTRIBUTE_CHARS = 64
 DEFAULT_MODE = "device-plugin"
 DEFAULT_DRIVER_NAME = "pcc.tke.cloud.tencent.com"
-# Room for `<driver>-<token>-reg.sock` in a unix socket path (107 bytes; dra.socket_names
+# Room for `<driver>-<token>-reg.sock` in a unix socket path (107 bytes; dra.sockets
 # shortens the token when a path would be longer).
 MAX_KUBELET_DIR_BYTES = 48
 
@@ -394,84 +392,3 @@ def version_text(verbosity: int) -> str:
         stack = ", ".join(f"{name} {version(name)}" for name in STACK)
         text += f" (Python {sys.version.split()[0]}; {stack})"
     return text
-
-
-@attrs.frozen
-class Served:
-    """What the daemon serves: its resources, the hash of the file they came from ("flags"
-    without one), and the mode."""
-
-    specs: list[ResourceSpec]
-    digest: str
-    mode: str
-
-
-def served_mode(config: Flags, file_mode: str | None = None) -> str:
-    """The mode: --mode, else the --config file's `mode` key, else the default."""
-    return config.mode or file_mode or DEFAULT_MODE
-
-
-def resources(config: Flags, prog: str) -> Served:
-    """What to serve: the file's resources with --config, else the PCC profile from the flags,
-    in the mode --mode or the file's `mode` key gives.
-
-    A bad file, two modes that disagree, or a DRA mode that cannot serve the resources is a
-    usage error: one line naming the flag or the file and key.
-    """
-    if not config.config:
-        served = Served([config.pcc_resource()], "flags", served_mode(config))
-    else:
-        # Imported only now: the YAML parser is not needed without --config.
-        from pcc_plugin import profiles
-
-        try:
-            specs, digest, file_mode = profiles.load(config.config)
-        except profiles.ProfileError as exc:
-            usage_error(prog, str(exc))
-        if config.mode and file_mode and config.mode != file_mode:
-            usage_error(
-                prog,
-                f"--mode: {config.mode} disagrees with mode {file_mode} in {config.config}; "
-                "give one of them",
-            )
-        served = Served(specs, digest, served_mode(config, file_mode))
-    if served.mode == "dra":
-        problem = dra_problem(config, served.specs)
-        if problem:
-            usage_error(prog, problem)
-    return served
-
-
-def dra_problem(config: Flags, specs: list[ResourceSpec]) -> str | None:
-    """Why --mode=dra cannot serve these flags and resources, starting with the flag or key."""
-    if not config.node_name:
-        return (
-            "--node-name: required with --mode=dra: the node's name is its ResourceSlices' pool "
-            "(the manifests pass spec.nodeName)"
-        )
-    for name in ("cdi", "pre_start_check"):
-        if getattr(config, name):
-            flag = name.replace("_", "-")
-            return f"--{flag}: not used with --mode=dra, which always hands devices over by CDI"
-    if len(specs) != 1:
-        return (
-            f"--config: {config.config} lists {len(specs)} resources; --mode=dra serves one "
-            "(one driver, one kind of device)"
-        )
-    (spec,) = specs
-    if spec.glob_nodes:
-        return f"--config: {spec.name}: --mode=dra serves no globbed devices"
-    if "." in spec.socket_prefix:
-        return (
-            f"--config: {spec.name}: socketPrefix {spec.socket_prefix!r} names the DRA devices "
-            "and must have no '.' (devices are DNS labels)"
-        )
-    long = [path for path in spec.host_paths() if len(path) > MAX_ATTRIBUTE_CHARS]
-    if long:
-        return (
-            f"--config: {spec.name}: host path {long[0]!r} is longer than the "
-            f"{MAX_ATTRIBUTE_CHARS} characters a ResourceSlice attribute holds"
-        )
-    from pcc_plugin.dra.driver import socket_path_problem
-
-    return socket_path_problem(config)

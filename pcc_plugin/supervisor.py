@@ -56,14 +56,14 @@ from asyncinotify import Inotify
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.configuration import Configuration, watch_config_file
+from pcc_plugin.configuration import ConfigError, Configuration, Served, read, watch_config_file
 from pcc_plugin.errors import FatalError
-from pcc_plugin.flags import DEFAULT_MODE, Flags, Served
+from pcc_plugin.flags import DEFAULT_MODE, Flags
 from pcc_plugin.health import watch_health
 from pcc_plugin.inotify import open_inotify, wait_for_directory
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin import DevicePlugin
-from pcc_plugin.plugin_dir import SocketNames, remove_stale_sockets, watch_plugin_dir
+from pcc_plugin.plugin_dir import SocketNames, own_sockets, remove_stale_sockets, watch_plugin_dir
 from pcc_plugin.registration import (
     API_VERSION,
     Backoff,
@@ -242,19 +242,18 @@ class Resources:
             log.info("Nothing to reload (%s): the resources come from flags, not --config",
                      reason)  # fmt: skip
             return
-        from pcc_plugin import profiles
-
         try:
-            specs, digest, mode = profiles.load(str(configuration.path))
-        except profiles.ProfileError as exc:
+            served = read(self.config)
+        except ConfigError as exc:
             configuration.last_reload_failed = True
             log.error("Configuration not reloaded, the running one stays: %s", exc)
             return
-        if (mode or DEFAULT_MODE) != DEFAULT_MODE:
+        if served.mode != DEFAULT_MODE:
             configuration.last_reload_failed = True
             log.error("Configuration not reloaded, the running one stays: %s: mode %s needs a "
-                      "restart of the daemon", configuration.path, mode)  # fmt: skip
+                      "restart of the daemon", configuration.path, served.mode)  # fmt: skip
             return
+        specs, digest = served.specs, served.digest
         if digest == configuration.digest:
             configuration.last_reload_failed = False
             log.log(V1, "Configuration unchanged (%s)", reason)
@@ -425,7 +424,7 @@ async def serve_generation(
     async with trio.open_nursery() as nursery:
         restart = Restart(nursery.cancel_scope)
         try:
-            remove_stale_sockets(plugin_dir, plugin.spec.socket_prefix, keep=endpoint)
+            remove_stale_sockets(own_sockets(plugin_dir, plugin.spec.socket_prefix, endpoint), stem)
             listener, own = grpc_server.bind(path)
         except OSError as exc:
             return serving_failed(plugin, path, exc)

@@ -32,12 +32,13 @@ from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, register
 from metrics_support import get, metrics_port, scrape, value
 from raw_clients import closed_by_server, connect
 
-from pcc_plugin import flags, grpc_server
+from pcc_plugin import configuration, flags, grpc_server
 from pcc_plugin.dra import claims, slices
 from pcc_plugin.dra import service as dra_service
-from pcc_plugin.dra.driver import remove_stale_sockets, socket_paths, state_dir
+from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import PROG, Flags
 from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.plugin_dir import remove_stale_sockets
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
 from pcc_plugin.sim import dra as sim_dra
@@ -455,7 +456,7 @@ def test_dead_registration_sockets_are_removed_hashed_names_too(fake_node: FakeN
         other.bind(str(kept[1]))  # another driver's: not ours to judge
         (registry / "ffffffffffffffff-reg.sock").write_text("not a socket")
         kept.append(registry / "ffffffffffffffff-reg.sock")
-        remove_stale_sockets(config)
+        remove_stale_sockets(earlier_sockets(config))
     left = [p for d in (registry, plugins) for p in d.rglob("*") if not p.is_dir()]
     assert sorted(left) == sorted(kept)
 
@@ -465,6 +466,25 @@ def test_dead_registration_sockets_are_removed_hashed_names_too(fake_node: FakeN
     [
         (["--mode=dra"], "--node-name: required with --mode=dra"),
         (["--mode=dra", "--node-name=n", "--cdi"], "--cdi: not used with --mode=dra"),
+        (
+            ["--mode=dra", "--node-name=n", "--driver-name=" + "d" * 60 + ".x",
+             "--kubelet-plugins-path=/" + "p" * 46],
+            "--driver-name: /ppp",
+        ),
+    ],
+)  # fmt: skip
+def test_what_the_dra_mode_cannot_serve_is_one_line_naming_the_flag(
+    argv: list[str], expected: str
+) -> None:
+    with pytest.raises(configuration.ConfigError) as refused:
+        configuration.read(flags.parse(argv, PROG, "", "")[0])
+    assert str(refused.value).startswith(expected)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
         (["--mode=kubevirt"], "--mode: must be device-plugin or dra, got 'kubevirt'"),
         (
             ["--mode=dra", "--node-name=n", "--driver-name=PCC"],
@@ -477,26 +497,23 @@ def test_dra_usage_errors_are_one_line_exit_2(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        flags.resources(flags.parse(argv, PROG, "", "")[0], PROG)
+        flags.parse(argv, PROG, "", "")
     assert exited.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"pcc-device-plugin: {expected}")
 
 
-def test_the_config_files_mode_and_the_flag_must_agree(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_config_files_mode_and_the_flag_must_agree(tmp_path: Path) -> None:
     profile = Path(__file__).parent.parent / "docs" / "examples" / "pcc.yaml"
     config = tmp_path / "profiles.yaml"
     config.write_text("mode: dra\n" + profile.read_text())
     argv = [f"--config={config}", "--mode=device-plugin"]
-    with pytest.raises(SystemExit) as exited:
-        flags.resources(flags.parse(argv, PROG, "", "")[0], PROG)
-    assert exited.value.code == 2
-    assert "--mode: device-plugin disagrees with mode dra in" in capsys.readouterr().err
+    with pytest.raises(configuration.ConfigError, match="--mode: device-plugin disagrees with "
+                       "mode dra in"):  # fmt: skip
+        configuration.read(flags.parse(argv, PROG, "", "")[0])
     # The file alone chooses the mode.
-    served = flags.resources(
-        flags.parse([f"--config={config}", "--node-name=n"], PROG, "", "")[0], PROG
+    served = configuration.read(
+        flags.parse([f"--config={config}", "--node-name=n"], PROG, "", "")[0]
     )
     assert served.mode == "dra"
 

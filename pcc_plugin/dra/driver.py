@@ -1,20 +1,13 @@
 """The DRA mode's serving: its sockets for kubelet, its ResourceSlices, its claims.
 
-The DRA socket (`<plugins>/<driver>/dra-<token>.sock`) serves before the registration
-socket (`<plugins_registry>/<driver>-<token>-reg.sock`) exists: kubelet dials the DRA socket
-as soon as it has registered the driver. The token is the pod's UID (--pod-uid) or this
-process's own, so the two instances of a rolling update never share a name; each removes its
-own sockets when it stops. Either socket gone (deleted by hand, its directory removed): both
-are served again. Kubelet restarting needs nothing of the sockets (it registers the ones it
-finds), but it deletes the node's slices, which `slices.publish` writes again.
+Either socket gone (deleted by hand, its directory removed): both are served again. Kubelet
+restarting needs nothing of the sockets (it registers the ones it finds), but it deletes the
+node's slices, which `slices.publish` writes again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,78 +19,17 @@ from pcc_plugin import grpc_server
 from pcc_plugin.dra import kube, slices
 from pcc_plugin.dra.claims import Preparer
 from pcc_plugin.dra.service import DraService, RegistrationService, on_error
+from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import Flags
 from pcc_plugin.fs import Identity
 from pcc_plugin.health import watch_health
 from pcc_plugin.inotify import DIR_GONE, VANISHED, next_events, open_inotify, wait_for_directory
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin import DevicePlugin
-from pcc_plugin.plugin_dir import accepts_connections, own_socket_problem, process_token
+from pcc_plugin.plugin_dir import own_socket_problem, remove_stale_sockets
 from pcc_plugin.registration import Backoff
 
 log = logging.getLogger(__name__)
-
-MAX_SOCKET_PATH_BYTES = 107
-REGISTRATION_SUFFIX = "-reg.sock"
-
-
-def state_dir(config: Flags) -> Path:
-    """Where the DRA socket, the checkpoint and its lock go: kubelet's, per driver."""
-    return Path(config.kubelet_plugins_path) / config.driver_name
-
-
-def socket_paths(config: Flags) -> tuple[Path, Path]:
-    """The registration socket and the DRA socket of this instance.
-
-    With a name too long for a unix socket, the token and driver give way to a hash of them.
-    """
-    token = config.pod_uid or process_token()
-    registry = Path(config.kubelet_registry_path)
-    registration = registry / f"{config.driver_name}-{token}{REGISTRATION_SUFFIX}"
-    dra = state_dir(config) / f"dra-{token}.sock"
-    digest = hashlib.sha256(f"{config.driver_name}/{token}".encode()).hexdigest()[:16]
-    if len(os.fsencode(registration)) > MAX_SOCKET_PATH_BYTES:
-        registration = registry / f"{digest}{REGISTRATION_SUFFIX}"
-    if len(os.fsencode(dra)) > MAX_SOCKET_PATH_BYTES:
-        dra = state_dir(config) / f"dra-{digest}.sock"
-    return registration, dra
-
-
-def is_registration_socket(name: str, driver: str) -> bool:
-    """Whether `name` is a registration socket `socket_paths` names for `driver`, or a hashed
-    one (whose driver only its GetInfo tells)."""
-    if name.startswith(f"{driver}-") and name.endswith(REGISTRATION_SUFFIX):
-        return True
-    return re.fullmatch(rf"[0-9a-f]{{16}}{re.escape(REGISTRATION_SUFFIX)}", name) is not None
-
-
-def socket_path_problem(config: Flags) -> str | None:
-    """Why this instance's sockets cannot be made, even hashed (a usage error)."""
-    _, dra = socket_paths(config)
-    if len(os.fsencode(dra)) > MAX_SOCKET_PATH_BYTES:
-        return (
-            f"--driver-name: {dra} is longer than the {MAX_SOCKET_PATH_BYTES} bytes of a unix "
-            "socket path; use a shorter driver name or --kubelet-plugins-path"
-        )
-    return None
-
-
-def remove_stale_sockets(config: Flags) -> None:
-    """Sockets of earlier instances of this driver that nothing serves (one that was killed).
-
-    A hashed registration name does not say whose it is; one nothing serves is dead whoever
-    left it, and kubelet's plugin watcher would dial it at every kubelet start."""
-    registry = Path(config.kubelet_registry_path)
-    stale = [
-        path
-        for path in registry.glob(f"*{REGISTRATION_SUFFIX}")
-        if is_registration_socket(path.name, config.driver_name) and path.is_socket()
-    ]
-    stale += [path for path in state_dir(config).glob("dra-*.sock") if path.is_socket()]
-    for path in stale:
-        if not accepts_connections(path):
-            path.unlink(missing_ok=True)
-            log.info("Removed stale socket %s", path)
 
 
 async def serve_once(config: Flags, plugin: DevicePlugin, backoff: Backoff) -> None:
@@ -138,7 +70,7 @@ async def serve_kubelet(config: Flags, plugin: DevicePlugin, preparer: Preparer)
         plugin.stats.waiting_for = "waiting for kubelet to register the driver"
         try:
             state_dir(config).mkdir(parents=True, exist_ok=True)
-            remove_stale_sockets(config)
+            remove_stale_sockets(earlier_sockets(config))
             preparer.restore_specs()
             reason = await serve_generation(config, plugin, preparer)
             fault = False
