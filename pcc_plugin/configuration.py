@@ -109,17 +109,6 @@ def dra_problem(config: Flags, specs: list[ResourceSpec]) -> str | None:
     return socket_path_problem(config)
 
 
-@attrs.define
-class Configuration:
-    """What runs now. `generation` counts applied configurations, the first being 1."""
-
-    specs: list[ResourceSpec]
-    path: Path | None
-    digest: str
-    generation: int = 1
-    last_reload_failed: bool = False
-
-
 async def watch_config_file(
     path: Path,
     changed: trio.MemorySendChannel[str],

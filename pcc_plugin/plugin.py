@@ -15,7 +15,7 @@ from pcc_plugin.flags import DEFAULT_INSTANCE_NAME
 from pcc_plugin.klog import V1
 from pcc_plugin.resource import Device, DeviceNode, Grant, ResourceSpec, grant, take_inventory
 from pcc_plugin.sensitive import OPT_IN, opted_in
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +89,14 @@ class DevicePlugin:
         self,
         spec: ResourceSpec,
         host_root: str,
-        stats: ResourceStats,
+        state: ResourceState,
         *,
         pre_start_check: bool = False,
         cdi_spec_dir: Path | None = None,
         instance_name: str = DEFAULT_INSTANCE_NAME,
     ) -> None:
         self.spec = spec
-        self.stats = stats
+        self.state = state
         self._host_root = host_root
         self._pre_start_check = pre_start_check
         self._cdi_spec_dir = cdi_spec_dir
@@ -124,9 +124,8 @@ class DevicePlugin:
         self.devices = devices
         self._by_id = {device.id: device for device in devices}
         self.longest_id = max((len(device.id.encode()) for device in devices), default=0)
-        unhealthy = sum(1 for device in devices if device.problem)
-        self.stats.unhealthy_devices = unhealthy
-        self.stats.healthy_devices = len(devices) - unhealthy
+        self.state.devices_seen(devices)
+        unhealthy = self.state.unhealthy_devices
         now = _describe(devices)
         if now != before:
             level = logging.WARNING if unhealthy else logging.INFO
@@ -185,12 +184,12 @@ class DevicePlugin:
                             f"{self.spec.name} device {device.id} is unhealthy: {device.problem}"
                         )
         except RequestError:
-            self.stats.allocations["invalid"] += 1
+            self.state.allocated("invalid")
             raise
         except DeviceUnavailable:
-            self.stats.allocations["unavailable"] += 1
+            self.state.allocated("unavailable")
             raise
-        self.stats.allocations["ok"] += 1
+        self.state.allocated("ok")
         grants = [self._grant(devices) for devices in allocated]
         if log.isEnabledFor(V1):
             log.log(

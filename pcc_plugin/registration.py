@@ -33,7 +33,7 @@ from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.fs import Identity, identity, is_socket
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import KUBELET_RESTARTED, KUBELET_SOCKET, accepts_connections
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class KubeletLink:
     it is opened.
     """
 
-    stats: ResourceStats
+    state: ResourceState
     ended: trio.Event = attrs.Factory(trio.Event)
     stream_opened_event: trio.Event = attrs.Factory(trio.Event)
     register: Literal["not sent", "in flight", "answered"] = "not sent"
@@ -120,16 +120,14 @@ class KubeletLink:
         self.stream_claimed |= is_kubelet
         log.log(V1, "ListAndWatch stream opened on %s%s",
                 connection, " (kubelet's)" if is_kubelet else "")  # fmt: skip
-        self.stats.streams_open += 1
+        self.state.stream_opened(is_kubelet)
         if is_kubelet:
-            self.stats.kubelet_stream_open = True
             self.stream_opened_event.set()
         return is_kubelet
 
     def stream_closed(self, is_kubelet: bool) -> None:
-        self.stats.streams_open -= 1
+        self.state.stream_closed(is_kubelet)
         if is_kubelet:
-            self.stats.kubelet_stream_open = False
             self.ended.set()
 
     def connection_closed(self, connection: object) -> None:
@@ -169,7 +167,7 @@ class Reachability:
 async def register_with_kubelet(
     plugin_dir: Path,
     request: api.RegisterRequest,
-    stats: ResourceStats,
+    state: ResourceState,
     cause: str,
     link: KubeletLink,
     reachability: Reachability,
@@ -188,7 +186,7 @@ async def register_with_kubelet(
     while True:
         if not is_socket(kubelet_socket):
             what = "is not a socket" if kubelet_socket.exists() else "does not exist"
-            stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
+            state.waiting(f"waiting for kubelet: {kubelet_socket} {what}")
             log.info("Waiting for kubelet: %s %s yet", kubelet_socket, what)
             # The watcher restarts this generation when kubelet creates it.
             await trio.sleep_forever()
@@ -199,13 +197,13 @@ async def register_with_kubelet(
         try:
             await register(kubelet_socket, request, REGISTER_TIMEOUT)
         except grpc_clients.Unreachable as exc:
-            stats.waiting_for = f"registration failed: {exc}"
+            state.waiting(f"registration failed: {exc}")
             reachability.unreachable(str(exc))
             await trio.sleep(backoff.next_delay())
             continue
         except grpc_clients.RegisterFailed as exc:
             reachability.reachable()
-            stats.waiting_for = f"registration failed: {exc}"
+            state.waiting(f"registration failed: {exc}")
             if str(exc) not in reported:
                 reported.add(str(exc))
                 log.error("Registration with kubelet failed, retrying: %s", exc)
@@ -219,12 +217,11 @@ async def register_with_kubelet(
         # The watcher saw kubelet.sock created (KUBELET_RESTARTED), or the socket differs from
         # the last one registered with: one restart either way, even when a quick restart left
         # a kubelet.sock with the old one's inode and change time.
-        if stats.kubelet is not None and (cause == KUBELET_RESTARTED or kubelet != stats.kubelet):
-            stats.kubelet_restarts += 1
+        if state.kubelet is not None and (cause == KUBELET_RESTARTED or kubelet != state.kubelet):
+            state.kubelet_restarted()
             cause = KUBELET_RESTARTED
-        stats.kubelet = kubelet
-        stats.registered = True
-        stats.registrations[cause] += 1
+        state.kubelet = kubelet
+        state.registered_with_kubelet(cause)
         return
 
 
@@ -245,8 +242,7 @@ async def reregister_when_stream_ends(
         what = "takes no connections" if kubelet_socket.exists() else "does not exist"
         log.info("Waiting for kubelet: its ListAndWatch stream ended and %s %s",
                  kubelet_socket, what)  # fmt: skip
-        link.stats.registered = False
-        link.stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
+        link.state.waiting(f"waiting for kubelet: {kubelet_socket} {what}")
         await trio.sleep_forever()
     if identity(kubelet_socket) != link.kubelet:
         log.info("kubelet's ListAndWatch stream ended and %s is new: registering again",

@@ -49,12 +49,6 @@ class DevicePluginService:
             SERVICE + "PreStartContainer": MethodSpec(self.pre_start_container),
         }
 
-    def on_error(self, where: str, error: BaseException) -> None:
-        """A bug showed (in a handler or a connection): say so at every verbosity, and count it."""
-        where = where.removeprefix(SERVICE)
-        self._plugin.stats.handler_errors[where] += 1
-        log.error("%s: %s failed unexpectedly", self._plugin.spec.name, where, exc_info=error)
-
     # Unary methods answer a request's bytes with the response's (see grpc_server.MethodSpec).
 
     def get_device_plugin_options(self, data: bytes, call: Call) -> bytes:

@@ -56,7 +56,7 @@ from asyncinotify import Inotify
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.configuration import ConfigError, Configuration, Served, read, watch_config_file
+from pcc_plugin.configuration import ConfigError, Served, read, watch_config_file
 from pcc_plugin.errors import FatalError
 from pcc_plugin.flags import DEFAULT_MODE, Flags
 from pcc_plugin.health import watch_health
@@ -76,7 +76,7 @@ from pcc_plugin.registration import (
 from pcc_plugin.resource import ResourceSpec
 from pcc_plugin.rollout import Followers
 from pcc_plugin.service import DevicePluginService
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import DaemonState, ResourceState
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ class Restart:
 
 async def run(config: Flags, served: Served) -> None:
     path = Path(config.config) if config.config else None
-    configuration = Configuration(served.specs, path, served.digest)
+    daemon = DaemonState(served.specs, path, served.digest)
     reloads, reload_requests = trio.open_memory_channel[str](1)
-    resources = Resources(config, configuration)
+    resources = Resources(config, daemon)
     async with bridge.asyncio_loop(), trio.open_nursery() as root:
         stop = trio.CancelScope()
         await root.start(handle_signals, stop, reloads, resources)
@@ -156,9 +156,8 @@ async def serve(
             from pcc_plugin import http_server
 
             bound = await nursery.start(
-                http_server.serve, config.metrics_bind_address, resources.plugins,
-                resources.configuration,
-            )  # fmt: skip
+                http_server.serve, config.metrics_bind_address, resources.daemon
+            )
             for address, port in bound:
                 log.info("Serving /metrics, /livez and /readyz on %s port %d", address, port)
         if mode == "dra":
@@ -170,15 +169,11 @@ async def serve(
 
 
 class Resources:
-    """The resources being served, each in a cancel scope of its own, changed by reloads.
+    """The resources being served, each in a cancel scope of its own, changed by reloads."""
 
-    `plugins` is the live list /metrics and /readyz read.
-    """
-
-    def __init__(self, config: Flags, configuration: Configuration) -> None:
+    def __init__(self, config: Flags, daemon: DaemonState) -> None:
         self.config = config
-        self.configuration = configuration
-        self.plugins: list[DevicePlugin] = []
+        self.daemon = daemon
         self._running: dict[str, tuple[DevicePlugin, trio.CancelScope]] = {}
         self._cdi_spec_dir = Path(config.cdi_spec_dir) if config.cdi else None
 
@@ -191,7 +186,7 @@ class Resources:
         """Serve every resource; apply a new configuration on each reload request."""
         async with trio.open_nursery() as nursery:
             self._remove_departed_cdi_specs()
-            for spec in self.configuration.specs:
+            for spec in self.daemon.specs:
                 self._start(nursery, spec)
             task_status.started()
             async for reason in reload_requests:
@@ -201,13 +196,13 @@ class Resources:
         """The DRA mode: its one resource as a DRA driver (pcc_plugin/dra), read at start."""
         from pcc_plugin.dra import driver
 
-        (spec,) = self.configuration.specs
+        (spec,) = self.daemon.specs
         log.info("Starting pcc-device-plugin as DRA driver %s: %s x%d on node %s",
                  self.config.driver_name, spec.name, spec.count, self.config.node_name)  # fmt: skip
         plugin = DevicePlugin(
-            spec, self.config.host_root, ResourceStats(kubelet_stream_needed=False)
+            spec, self.config.host_root, ResourceState(spec.name, needs_stream=False)
         )
-        self.plugins.append(plugin)
+        self.daemon.resources.append(plugin.state)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(supervise_resource, self.config, plugin, driver.serve_once)
             async for reason in reload_requests:
@@ -219,14 +214,14 @@ class Resources:
         plugin = DevicePlugin(
             spec,
             self.config.host_root,
-            ResourceStats(),
+            ResourceState(spec.name),
             pre_start_check=self.config.pre_start_check,
             cdi_spec_dir=self._cdi_spec_dir,
             instance_name=self.config.instance_name,
         )
         scope = trio.CancelScope()
         self._running[spec.name] = (plugin, scope)
-        self.plugins.append(plugin)
+        self.daemon.resources.append(plugin.state)
         nursery.start_soon(self._run, plugin, scope, name=f"supervise_resource {spec.name}")
 
     async def _run(self, plugin: DevicePlugin, scope: trio.CancelScope) -> None:
@@ -234,32 +229,31 @@ class Resources:
             with scope:
                 await supervise_resource(self.config, plugin, serve_resource)
         finally:
-            self.plugins.remove(plugin)
+            self.daemon.resources.remove(plugin.state)
 
     def _reload(self, nursery: trio.Nursery, reason: str) -> None:
-        configuration = self.configuration
-        if configuration.path is None:
+        daemon = self.daemon
+        if daemon.path is None:
             log.info("Nothing to reload (%s): the resources come from flags, not --config",
                      reason)  # fmt: skip
             return
         try:
             served = read(self.config)
         except ConfigError as exc:
-            configuration.last_reload_failed = True
+            daemon.reload_refused()
             log.error("Configuration not reloaded, the running one stays: %s", exc)
             return
         if served.mode != DEFAULT_MODE:
-            configuration.last_reload_failed = True
+            daemon.reload_refused()
             log.error("Configuration not reloaded, the running one stays: %s: mode %s needs a "
-                      "restart of the daemon", configuration.path, served.mode)  # fmt: skip
+                      "restart of the daemon", daemon.path, served.mode)  # fmt: skip
             return
-        specs, digest = served.specs, served.digest
-        if digest == configuration.digest:
-            configuration.last_reload_failed = False
+        if served.digest == daemon.digest:
+            daemon.reload_unchanged()
             log.log(V1, "Configuration unchanged (%s)", reason)
             return
-        old = {spec.name: spec for spec in configuration.specs}
-        new = {spec.name: spec for spec in specs}
+        old = {spec.name: spec for spec in daemon.specs}
+        new = {spec.name: spec for spec in served.specs}
         for name, spec in old.items():
             if new.get(name) != spec:
                 log.info("Stopping %s: %s", name, "changed" if name in new else "removed")
@@ -267,46 +261,29 @@ class Resources:
         for name, spec in new.items():
             if old.get(name) != spec:
                 self._start(nursery, spec)
-        configuration.specs = specs
-        configuration.digest = digest
-        configuration.generation += 1
-        configuration.last_reload_failed = False
+        daemon.reload_applied(served.specs, served.digest)
         self._remove_departed_cdi_specs()
         unchanged = sorted(name for name in new if old.get(name) == new[name])
         log.info("Configuration %d applied from %s (%s); unchanged, still serving: %s",
-                 configuration.generation, configuration.path, reason,
+                 daemon.generation, daemon.path, reason,
                  ", ".join(unchanged) or "none")  # fmt: skip
 
     def _remove_departed_cdi_specs(self) -> None:
         if self._cdi_spec_dir is not None:
             from pcc_plugin import cdi
 
-            names = {spec.name for spec in self.configuration.specs}
+            names = {spec.name for spec in self.daemon.specs}
             cdi.remove_departed_specs(self._cdi_spec_dir, names, self.config.instance_name)
 
     def describe(self) -> list[str]:
-        """The task tree and each resource's state, as SIGUSR1 writes them to the log."""
-        configuration = self.configuration
-        lines = [
+        """The state and the task tree, as SIGUSR1 writes them to the log."""
+        return [
             f"State on {signal.SIGUSR1.name}: the configuration, each resource with its "
             "counters, and the task tree",
-            f"Configuration {configuration.generation} from "
-            f"{configuration.path or 'flags'} (hash {configuration.digest}"
-            f"{', last reload failed' if configuration.last_reload_failed else ''})",
+            *self.daemon.describe(),
+            "Task tree:",
+            *task_tree(),
         ]
-        for plugin in self.plugins:
-            stats = plugin.stats
-            lines.append(
-                f"Resource {plugin.spec.name}: registered={stats.registered} "
-                f"kubelet_stream_open={stats.kubelet_stream_open} "
-                f"generation={stats.generation} restart_delay={stats.restart_delay:.3f}s "
-                f"last_restart_reason={stats.last_restart_reason or '-'} "
-                f"not_ready={stats.not_ready_reason() or '-'}"
-            )
-            lines.append(f"  counters {plugin.spec.name}: {stats.counters()}")
-        lines.append("Task tree:")
-        lines.extend(task_tree())
-        return lines
 
 
 def task_tree() -> list[str]:
@@ -376,10 +353,9 @@ async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin, resource_backoff
     cause = "start"
     with open_inotify() as inotify:
         while True:
-            plugin.stats.registered = False
-            plugin.stats.waiting_for = f"waiting for {plugin_dir} to be created"
+            plugin.state.waiting(f"waiting for {plugin_dir} to be created")
             await wait_for_directory(plugin_dir)
-            plugin.stats.generation += 1
+            plugin.state.generation_started()
             ending = await serve_generation(
                 plugin_dir, plugin, inotify, next(names), names.stem, cause, reachability,
                 (restarts, resource_backoff),
@@ -389,12 +365,11 @@ async def serve_kubelet(plugin_dir: Path, plugin: DevicePlugin, resource_backoff
 
 async def after_generation(plugin: DevicePlugin, ending: Ending, restarts: Backoff) -> str:
     """Say why the generation ended, and wait if that was a fault; the cause of the next."""
-    plugin.stats.last_restart_reason = ending.reason
     log.log(V1, "Restarting the device plugin server: %s", ending.reason)
-    if ending.fault:
-        plugin.stats.restart_delay = restarts.next_delay()
-        plugin.stats.backoff_seconds += plugin.stats.restart_delay
-        await trio.sleep(plugin.stats.restart_delay)
+    delay = restarts.next_delay() if ending.fault else 0.0
+    plugin.state.generation_ended(ending.reason, delay)
+    if delay:
+        await trio.sleep(delay)
     return ending.reason
 
 
@@ -416,10 +391,12 @@ async def serve_generation(
         options=plugin.options(),
     )
     # serve_kubelet has marked the resource not registered before this generation.
-    plugin.stats.waiting_for = "registering with kubelet"
-    link = KubeletLink(plugin.stats)
+    plugin.state.waiting("registering with kubelet")
+    link = KubeletLink(plugin.state)
     service = DevicePluginService(plugin, link)
-    server = grpc_server.Server(service.methods(), service.on_error, link.connection_closed)
+    server = grpc_server.Server(
+        service.methods(), plugin.state.handler_failed, link.connection_closed
+    )
     path = plugin_dir / endpoint
     async with trio.open_nursery() as nursery:
         restart = Restart(nursery.cancel_scope)
@@ -434,11 +411,11 @@ async def serve_generation(
         await nursery.start(
             watch_plugin_dir, inotify, plugin_dir, endpoint, own, restart, followers.appeared
         )
-        if plugin.stats.serving_problem is not None:
-            log.info("Serving in %s again, after: %s", plugin_dir, plugin.stats.serving_problem)
-            plugin.stats.serving_problem = None
+        problem = plugin.state.serving()
+        if problem is not None:
+            log.info("Serving in %s again, after: %s", plugin_dir, problem)
         nursery.start_soon(
-            register_with_kubelet, plugin_dir, request, plugin.stats, cause, link, reachability
+            register_with_kubelet, plugin_dir, request, plugin.state, cause, link, reachability
         )
         nursery.start_soon(reregister_when_stream_ends, plugin_dir, link, restart)
         nursery.start_soon(forget_faults_when_stable, link, *backoffs)
@@ -453,8 +430,6 @@ def serving_failed(plugin: DevicePlugin, path: Path, error: OSError) -> Ending:
     # The directory, not the socket's name: each retry has a fresh name, and the
     # same problem is said once.
     problem = f"cannot serve in {path.parent}: [Errno {error.errno}] {error.strerror}"
-    if plugin.stats.serving_problem != problem:
-        plugin.stats.serving_problem = problem
+    if plugin.state.cannot_serve(problem):
         log.error("%s; retrying", problem)
-    plugin.stats.waiting_for = problem
     return Ending(problem, fault=True)

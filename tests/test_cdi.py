@@ -18,7 +18,7 @@ from pcc_plugin.flags import Flags
 from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.resource import DeviceNode, ResourceSpec
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 # The parts of CDI spec 0.6.0 this plugin writes, from the specification's text:
 # names, kinds and edits that runtimes reject otherwise.
@@ -87,7 +87,9 @@ CDI_0_6_SCHEMA: dict[str, Any] = {
 
 def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     cdi_dir = tmp_path / "cdi"
-    plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=cdi_dir)
+    plugin = DevicePlugin(
+        Flags().pcc_resource(), str(host), ResourceState("x"), cdi_spec_dir=cdi_dir
+    )
     path = cdi_dir / "tke.cloud.tencent.com-pcc-device.json"
     spec = json.loads(path.read_text())
     jsonschema.validate(spec, CDI_0_6_SCHEMA)
@@ -138,7 +140,7 @@ def test_globbed_devices_get_a_cdi_device_each_and_gone_ones_leave_the_spec(
         device_nodes=(DeviceNode("/dev/dm-*", "", "rw", "char"),),
         envs=(("MODE", "x"),),
     )
-    plugin = DevicePlugin(spec, str(host), ResourceStats(), cdi_spec_dir=tmp_path / "cdi")
+    plugin = DevicePlugin(spec, str(host), ResourceState("x"), cdi_spec_dir=tmp_path / "cdi")
     path = tmp_path / "cdi" / "power.example.com-block.json"
     written = json.loads(path.read_text())
     jsonschema.validate(written, CDI_0_6_SCHEMA)
@@ -182,7 +184,7 @@ def pcc_plugin_as(instance: str, host: Path, cdi_dir: Path) -> DevicePlugin:
     return DevicePlugin(
         Flags().pcc_resource(),
         str(host),
-        ResourceStats(),
+        ResourceState("x"),
         cdi_spec_dir=cdi_dir,
         instance_name=instance,
     )
@@ -257,7 +259,9 @@ def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
 ) -> None:
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
-    plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=blocked)
+    plugin = DevicePlugin(
+        Flags().pcc_resource(), str(host), ResourceState("x"), cdi_spec_dir=blocked
+    )
     assert any("Cannot write CDI spec" in message for message in caplog.messages)
     (container,) = plugin.allocate([["pcc-0"]])
     assert container.device_nodes

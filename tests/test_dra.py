@@ -43,7 +43,7 @@ from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
 from pcc_plugin.sim import dra as sim_dra
 from pcc_plugin.sim.dra import SimDraKubelet
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 V1_PREPARE = "NodePrepareResources"
 CDI_ID = f"{DRIVER}/claim="
@@ -572,7 +572,7 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
     api: Any = FlakyApi()
     spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 2, "/dev/sev-guest", "/var/run/pcc")
     devices = tuple(Device(f"pcc-{i}", "pcc", spec.device_nodes, None) for i in range(2))
-    stats = ResourceStats(kubelet_stream_needed=False, registered=True)
+    stats = ResourceState("x", needs_stream=False, registered=True)
     change = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
@@ -600,7 +600,7 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
 ) -> None:
     """Kubelet hears why for each claim (and retries) instead of an INTERNAL error."""
     spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 4, "/dev/sev-guest", "/var/run/pcc")
-    plugin = DevicePlugin(spec, str(host), ResourceStats())
+    plugin = DevicePlugin(spec, str(host), ResourceState("x"))
     not_a_directory = tmp_path / "state"
     not_a_directory.write_text("")
 
@@ -617,7 +617,7 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
     for answer in (prepared["uid-1"], unprepared["uid-1"]):
         assert isinstance(answer, str)
         assert answer.startswith(f"cannot record prepared claims in {not_a_directory}: ")
-    assert plugin.stats.prepares["failed"] == plugin.stats.unprepares["failed"] == 1
+    assert plugin.state.prepares["failed"] == plugin.state.unprepares["failed"] == 1
 
 
 async def test_missing_credentials_are_one_line_and_exit_1(

@@ -16,7 +16,7 @@ from pcc_plugin.registration import KubeletLink
 from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
 from pcc_plugin.service import DevicePluginService, encode_allocate_response
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 
@@ -24,7 +24,7 @@ RESOURCE = "tke.cloud.tencent.com/pcc-device"
 def pcc_plugin(host: Path, pre_start_check: bool = False, **flags: Any) -> DevicePlugin:
     config = Flags(host_root=str(host), **flags)
     return DevicePlugin(
-        config.pcc_resource(), config.host_root, ResourceStats(), pre_start_check=pre_start_check
+        config.pcc_resource(), config.host_root, ResourceState("x"), pre_start_check=pre_start_check
     )
 
 
@@ -105,7 +105,7 @@ def test_bad_requests_name_the_problem(
     plugin = pcc_plugin(host)
     with pytest.raises(RequestError, match=message):
         plugin.allocate(containers)
-    assert plugin.stats.allocations == {"invalid": 1}
+    assert plugin.state.allocations == {"invalid": 1}
 
 
 def test_allocate_fails_with_the_reason_while_unhealthy(host: Path) -> None:
@@ -118,8 +118,8 @@ def test_allocate_fails_with_the_reason_while_unhealthy(host: Path) -> None:
     (host / "dev" / "sev-guest").symlink_to("/dev/null")
     plugin.refresh()
     assert len(plugin.allocate(request)) == 1
-    assert plugin.stats.allocations == {"unavailable": 1, "ok": 1}
-    assert (plugin.stats.healthy_devices, plugin.stats.unhealthy_devices) == (16, 0)
+    assert plugin.state.allocations == {"unavailable": 1, "ok": 1}
+    assert (plugin.state.healthy_devices, plugin.state.unhealthy_devices) == (16, 0)
 
 
 def test_pre_start_check_looks_at_the_node_again(host: Path) -> None:
@@ -174,7 +174,7 @@ def test_service_answers_each_refusal_with_its_status(
     plugin = pcc_plugin(host, pre_start_check=True)
     (host / "dev" / "sev-guest").unlink()  # pcc-0 unhealthy, for FAILED_PRECONDITION
     plugin.refresh()
-    service = DevicePluginService(plugin, KubeletLink(plugin.stats))
+    service = DevicePluginService(plugin, KubeletLink(plugin.state))
     with pytest.raises(grpclib.exceptions.GRPCError) as refused:
         getattr(service, method)(request_bytes, None)
     assert refused.value.status is grpclib.const.Status[status]
@@ -204,7 +204,7 @@ def test_a_refused_allocate_is_logged_at_v1_with_its_reason(
     if reason.startswith("FAILED_PRECONDITION"):
         (host / "dev" / "sev-guest").unlink()
         plugin.refresh()
-    service = DevicePluginService(plugin, KubeletLink(plugin.stats))
+    service = DevicePluginService(plugin, KubeletLink(plugin.state))
     caplog.set_level(V1)
     with pytest.raises(grpclib.exceptions.GRPCError):
         service.allocate(request_bytes, None)  # type: ignore[arg-type]  # it reads no call
@@ -224,7 +224,7 @@ def test_globbed_devices_are_one_device_each_and_stay_listed_when_gone(host: Pat
         mounts=(HostMount("/var/run/pcc", "/pcc", read_only=True),),
         envs=(("MODE", "shared"),),
     )
-    plugin = DevicePlugin(spec, str(host), ResourceStats())
+    plugin = DevicePlugin(spec, str(host), ResourceState("x"))
     assert [(d.id, d.healthy) for d in plugin.devices] == [
         ("vda-0", True), ("vda-1", True), ("vdb-0", True), ("vdb-1", True),
     ]  # fmt: skip

@@ -28,7 +28,7 @@ from pcc_plugin.registration import (
     register_with_kubelet,
     reregister_when_stream_ends,
 )
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 from pcc_plugin.supervisor import Restart
 
 REQUEST = api.RegisterRequest(
@@ -73,14 +73,14 @@ async def test_faults_are_forgotten_after_kubelets_stream_stayed_open(
     backoff = Backoff(first=0.02, cap=5.0, immediate_first=True)
     for _ in range(7):
         assert backoff.next_delay() < 1.0
-        link = KubeletLink(ResourceStats())
+        link = KubeletLink(ResourceState("x"))
         link.stream_opened_event.set()
         await forget_faults_when_stable(link, backoff)
     assert backoff.next_delay() == 0
     # A stream that ends before STABLE_AFTER forgets nothing.
     backoff.next_delay()
     backoff.next_delay()
-    link = KubeletLink(ResourceStats())
+    link = KubeletLink(ResourceState("x"))
     link.stream_opened_event.set()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(forget_faults_when_stable, link, backoff)
@@ -106,7 +106,7 @@ async def test_register_retries_with_backoff_and_logs_each_refusal_once(
     with bind_socket(tmp_path / "kubelet.sock"):
         backoff = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
         expected = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
-        stats = ResourceStats()
+        stats = ResourceState("x")
         link = KubeletLink(stats)
         await register_with_kubelet(
             tmp_path, REQUEST, stats, "start", link, Reachability(), fake_register, backoff
@@ -135,7 +135,7 @@ async def test_an_unreachable_kubelet_is_an_error_only_after_the_grace(
 
     reachability = Reachability()
     with bind_socket(tmp_path / "kubelet.sock"):
-        stats = ResourceStats()
+        stats = ResourceState("x")
         # A normal restart: refused for a few seconds, then accepted.
         down_until = trio.current_time() + 3
         await register_with_kubelet(
@@ -186,7 +186,7 @@ async def test_register_waits_without_polling_while_kubelet_sock_is_missing(
         raise AssertionError("registered without kubelet.sock")
 
     with trio.move_on_after(3600) as waited:
-        stats = ResourceStats()
+        stats = ResourceState("x")
         await register_with_kubelet(
             tmp_path, REQUEST, stats, "start", KubeletLink(stats), Reachability(),
             must_not_be_called,
@@ -203,7 +203,7 @@ async def test_a_registration_with_a_new_kubelet_sock_counts_as_a_kubelet_restar
     async def accept(*_: object) -> None:
         pass
 
-    stats = ResourceStats()
+    stats = ResourceState("x")
     reachability = Reachability()
     for cause in ("start", "own socket was removed", "own socket was removed"):
         with bind_socket(tmp_path / "kubelet.sock"):
@@ -230,7 +230,7 @@ async def test_a_new_kubelet_sock_counts_as_a_restart_even_with_the_old_ones_ide
     async def accept(*_: object) -> None:
         pass
 
-    stats = ResourceStats()
+    stats = ResourceState("x")
     reachability = Reachability()
     with bind_socket(tmp_path / "kubelet.sock"):
         for cause in ("start", KUBELET_RESTARTED, KUBELET_RESTARTED):
@@ -247,7 +247,7 @@ async def test_stream_end_restarts_at_once_while_kubelet_listens(
 ) -> None:
     """The kubelet registered with dropped the stream: a fault (the next one back to back
     waits). A new kubelet.sock listens already: a kubelet restart, never a fault."""
-    link = KubeletLink(ResourceStats())
+    link = KubeletLink(ResourceState("x"))
     with bind_socket(tmp_path / "kubelet.sock") as kubelet, trio.CancelScope() as scope:
         kubelet.listen()
         if same_kubelet:
@@ -269,7 +269,7 @@ async def test_stream_end_waits_for_kubelet_while_it_restarts(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     """A killed kubelet leaves kubelet.sock behind; the new one's arrival restarts us."""
-    stats = ResourceStats(registered=True)
+    stats = ResourceState("x", registered=True)
     link = KubeletLink(stats)
     with bind_socket(tmp_path / "kubelet.sock"), trio.CancelScope() as scope:
         restart = Restart(scope)
@@ -283,7 +283,7 @@ async def test_stream_end_waits_for_kubelet_while_it_restarts(
 
 
 def test_kubelets_stream_is_the_one_on_the_connection_that_read_options_during_register() -> None:
-    stats = ResourceStats()
+    stats = ResourceState("x")
     link = KubeletLink(stats)
     tool, kubelet, late_tool = object(), object(), object()
     # A tool that found the socket before Register: its options and stream are its own.
@@ -308,7 +308,7 @@ def test_kubelets_stream_is_the_one_on_the_connection_that_read_options_during_r
 
 
 def test_older_kubelets_read_options_after_register_answered() -> None:
-    link = KubeletLink(ResourceStats())
+    link = KubeletLink(ResourceState("x"))
     kubelet, tool = object(), object()
     link.register = "answered"
     link.options_called(kubelet)
@@ -316,7 +316,7 @@ def test_older_kubelets_read_options_after_register_answered() -> None:
     assert not link.stream_opened(tool)
     assert link.stream_opened(kubelet)
     # And a current kubelet's call during a retried Register wins over an earlier one.
-    link = KubeletLink(ResourceStats())
+    link = KubeletLink(ResourceState("x"))
     link.register = "answered"
     link.options_called(tool)
     link.register = "in flight"
@@ -325,7 +325,7 @@ def test_older_kubelets_read_options_after_register_answered() -> None:
 
 
 def test_kubelet_closing_its_connection_before_a_stream_counts_as_the_end() -> None:
-    link = KubeletLink(ResourceStats())
+    link = KubeletLink(ResourceState("x"))
     kubelet = object()
     link.register = "in flight"
     link.options_called(kubelet)

@@ -15,7 +15,7 @@ from pcc_plugin.flags import Flags
 from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.registration import Backoff
 from pcc_plugin.resource import ResourceSpec
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 
@@ -30,9 +30,9 @@ async def test_a_failing_resource_is_restarted_alone(
     broken = DevicePlugin(
         ResourceSpec(name="example.com/broken", count=1, socket_prefix="broken"),
         "",
-        ResourceStats(),
+        ResourceState("x"),
     )
-    healthy = DevicePlugin(config.pcc_resource(), str(host), ResourceStats())
+    healthy = DevicePlugin(config.pcc_resource(), str(host), ResourceState("x"))
     attempts: dict[str, list[float]] = {"example.com/broken": [], RESOURCE: []}
 
     async def serve_resource(_: Flags, plugin: DevicePlugin, __: Backoff) -> None:
@@ -66,6 +66,6 @@ async def test_a_fatal_error_in_a_resource_stops_the_daemon(
 
     monkeypatch.setattr(supervisor, "serve_resource", serve_resource)
     config = Flags(host_root=str(host))
-    plugin = DevicePlugin(config.pcc_resource(), str(host), ResourceStats())
+    plugin = DevicePlugin(config.pcc_resource(), str(host), ResourceState("x"))
     with pytest.raises(FatalError):
         await supervisor.supervise_resource(config, plugin, supervisor.serve_resource)

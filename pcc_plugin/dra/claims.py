@@ -163,7 +163,7 @@ class Preparer:
         try:
             return await self._prepare(claims)
         except OSError as exc:
-            self.plugin.stats.prepares["failed"] += len(claims)
+            self.plugin.state.prepared("failed", len(claims))
             return {claim.uid: self._unrecorded(exc) for claim in claims}
 
     async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
@@ -171,7 +171,7 @@ class Preparer:
         try:
             return await self._unprepare(claims)
         except OSError as exc:
-            self.plugin.stats.unprepares["failed"] += len(claims)
+            self.plugin.state.unprepared("failed", len(claims))
             return {claim.uid: self._unrecorded(exc) for claim in claims}
 
     def _unrecorded(self, error: OSError) -> str:
@@ -193,11 +193,11 @@ class Preparer:
                     else:
                         devices = self._first_time(claim, allocations[claim.uid], prepared)
                 except ClaimError as exc:
-                    self.plugin.stats.prepares["failed"] += 1
+                    self.plugin.state.prepared("failed")
                     log.warning("NodePrepareResources %s (%s): %s", claim, claim.uid, exc)
                     answers[claim.uid] = str(exc)
                     continue
-                self.plugin.stats.prepares["ok"] += 1
+                self.plugin.state.prepared("ok")
                 answers[claim.uid] = devices
             self._save(prepared)
         return answers
@@ -210,11 +210,11 @@ class Preparer:
                 try:
                     cdi.remove_claim_spec(self.cdi_dir, self.driver, claim.uid, self.owner)
                 except OSError as exc:
-                    self.plugin.stats.unprepares["failed"] += 1
+                    self.plugin.state.unprepared("failed")
                     answers[claim.uid] = f"cannot remove its CDI spec: {exc}"
                     continue
                 known = prepared.pop(claim.uid, None) is not None
-                self.plugin.stats.unprepares["ok"] += 1
+                self.plugin.state.unprepared("ok")
                 log.log(V1, "NodeUnprepareResources %s (%s): %s", claim, claim.uid,
                         "unprepared" if known else "not prepared here, nothing to do")  # fmt: skip
                 answers[claim.uid] = None

@@ -18,7 +18,7 @@ from asyncinotify import Inotify, Mask
 from pcc_plugin import grpc_server
 from pcc_plugin.dra import kube, slices
 from pcc_plugin.dra.claims import Preparer
-from pcc_plugin.dra.service import DraService, RegistrationService, on_error
+from pcc_plugin.dra.service import DraService, RegistrationService
 from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import Flags
 from pcc_plugin.fs import Identity
@@ -49,7 +49,7 @@ async def serve_once(config: Flags, plugin: DevicePlugin, backoff: Backoff) -> N
             await nursery.start(watch_health, plugin, config.host_root)
             nursery.start_soon(
                 slices.publish, api, config.driver_name, config.node_name, wanted,
-                plugin.next_change, plugin.stats,
+                plugin.next_change, plugin.state,
             )  # fmt: skip
             nursery.start_soon(serve_kubelet, config, plugin, preparer)
     finally:
@@ -63,11 +63,10 @@ async def serve_kubelet(config: Flags, plugin: DevicePlugin, preparer: Preparer)
     restarts = Backoff(immediate_first=True)
     problem: str | None = None
     while True:
-        plugin.stats.registered = False
-        plugin.stats.waiting_for = f"waiting for {registry} to be created"
+        plugin.state.waiting(f"waiting for {registry} to be created")
         await wait_for_directory(registry)
-        plugin.stats.generation += 1
-        plugin.stats.waiting_for = "waiting for kubelet to register the driver"
+        plugin.state.generation_started()
+        plugin.state.waiting("waiting for kubelet to register the driver")
         try:
             state_dir(config).mkdir(parents=True, exist_ok=True)
             remove_stale_sockets(earlier_sockets(config))
@@ -84,13 +83,13 @@ async def serve_kubelet(config: Flags, plugin: DevicePlugin, preparer: Preparer)
             fault = True
             if reason != problem:
                 log.error("%s; retrying", reason)
-            problem = plugin.stats.waiting_for = reason
-        plugin.stats.last_restart_reason = reason
+            problem = reason
+            plugin.state.waiting(reason)
         log.log(V1, "Serving the DRA sockets again: %s", reason)
-        if fault:
-            plugin.stats.restart_delay = restarts.next_delay()
-            await trio.sleep(plugin.stats.restart_delay)
-        else:
+        delay = restarts.next_delay() if fault else 0.0
+        plugin.state.generation_ended(reason, delay)
+        await trio.sleep(delay)
+        if not fault:
             restarts.reset()
 
 
@@ -98,9 +97,9 @@ async def serve_generation(config: Flags, plugin: DevicePlugin, preparer: Prepar
     """Serve the DRA socket, then the registration socket, until one goes; say why it ended.
     OSError when a socket cannot be served (each is removed again as it closes)."""
     registration_path, dra_path = socket_paths(config)
-    report = on_error(plugin.stats)
+    report = plugin.state.handler_failed
     dra_server = grpc_server.Server(DraService(preparer).methods(), report, idle_client=True)
-    registration = RegistrationService(config.driver_name, str(dra_path), plugin.stats)
+    registration = RegistrationService(config.driver_name, str(dra_path), plugin.state)
     registration_server = grpc_server.Server(registration.methods(), report)
     reason = "cancelled"
     with open_inotify() as inotify:

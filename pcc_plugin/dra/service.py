@@ -21,7 +21,7 @@ from pcc_plugin.dra.claims import ClaimRef, PreparedDevice, Preparer
 from pcc_plugin.grpc_server import Call, MethodSpec
 from pcc_plugin.klog import V1
 from pcc_plugin.service import check_message
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
@@ -38,22 +38,11 @@ SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
 MAX_CLAIMS = 128
 
 
-def on_error(stats: ResourceStats) -> Callable[[str, BaseException], None]:
-    """A bug showed in a handler or a connection: say so at every verbosity, and count it."""
-
-    def report(where: str, error: BaseException) -> None:
-        where = where.rpartition("/")[2] or where
-        stats.handler_errors[where] += 1
-        log.error("%s failed unexpectedly", where, exc_info=error)
-
-    return report
-
-
 class RegistrationService:
     """What kubelet asks of the registration socket: who we are, and how registering went."""
 
-    def __init__(self, driver: str, endpoint: str, stats: ResourceStats) -> None:
-        self._stats = stats
+    def __init__(self, driver: str, endpoint: str, state: ResourceState) -> None:
+        self._state = state
         self._driver = driver
         self._info = bytes(
             registration.PluginInfo(
@@ -80,11 +69,10 @@ class RegistrationService:
         check_message(data, wire.REGISTRATION_STATUS, "RegistrationStatus")
         status = registration.RegistrationStatus.parse(data)
         if status.plugin_registered:
-            self._stats.registered = True
+            self._state.registered_with_kubelet("kubelet registered the driver")
             log.info("Registered DRA driver %s with kubelet", self._driver)
         else:
-            self._stats.registered = False
-            self._stats.waiting_for = f"kubelet refused the registration: {status.error}"
+            self._state.waiting(f"kubelet refused the registration: {status.error}")
             log.error("Kubelet refused the registration of DRA driver %s: %s", self._driver,
                       status.error)  # fmt: skip
         return b""

@@ -30,7 +30,7 @@ from pcc_plugin.dra.kube import Api, RequestFailed, describe_error, status_code
 from pcc_plugin.klog import V1
 from pcc_plugin.registration import Backoff
 from pcc_plugin.resource import Device, ResourceSpec
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Publisher:
     api: Api
     pool: Pool
     wanted: Callable[[], list[dict[str, Any]]]
-    stats: ResourceStats
+    state: ResourceState
     # Resource versions of the objects this instance wrote: their watch events are no news.
     _written: set[str] = attrs.Factory(set)
     generation: int = 0
@@ -189,11 +189,11 @@ class Outage:
     since: float | None = None
     reported_at: float | None = None
 
-    def failed(self, what: str, why: str, stats: ResourceStats) -> None:
+    def failed(self, what: str, why: str, state: ResourceState) -> None:
         now = trio.current_time()
         self.since = now if self.since is None else self.since
         problem = f"ResourceSlices not published: {what} failed: {why}"
-        stats.slices_problem = problem
+        state.slices_not_published(problem)
         if self.reported_at is None or now - self.reported_at >= REPORT_EVERY:
             self.reported_at = now
             log.error("%s; retrying", problem)
@@ -212,24 +212,24 @@ async def publish(
     node: str,
     wanted: Callable[[Pool], list[dict[str, Any]]],
     changed: Callable[[], trio.Event],
-    stats: ResourceStats,
+    state: ResourceState,
 ) -> None:
     """Keep the node's slices as `wanted` says, again whenever `changed()` fires; forever."""
     backoff = Backoff(first=RETRY_FIRST, cap=RETRY_CAP)
     outage = Outage()
     publisher: Publisher | None = None
-    stats.slices_problem = "ResourceSlices not published yet"
+    state.slices_not_published("ResourceSlices not published yet")
     what = f"reading Node {node}"
     while True:
         try:
             if publisher is None:
                 pool = Pool(driver, node, await api.node_uid(node))
-                publisher = Publisher(api, pool, functools.partial(wanted, pool), stats)
+                publisher = Publisher(api, pool, functools.partial(wanted, pool), state)
             what = "publishing ResourceSlices"
             # Taken before the devices are read: a change from here on is not missed.
             change = changed()
             version = await publisher.reconcile()
-            stats.slices_problem = None
+            state.slices_published()
             outage.over()
             backoff.reset()
             what = "watching ResourceSlices"
@@ -244,7 +244,7 @@ async def publish(
             why = describe_error(error)
             if status_code(error) == 404 and publisher is None:
                 why = f"Node {node} does not exist: check --node-name"
-            outage.failed(what, why, stats)
+            outage.failed(what, why, state)
             await trio.sleep(backoff.next_delay())
 
 
