@@ -8,7 +8,9 @@ Python: counting costs nothing more when `--metrics-bind-address` is empty.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -181,6 +183,15 @@ class DaemonState:
     generation: int = 1
     last_reload_failed: bool = False
     resources: list[ResourceState] = attrs.Factory(list)
+
+    @contextlib.contextmanager
+    def serving(self, resource: ResourceState) -> Iterator[None]:
+        """While `resource` is served: /readyz, /metrics and SIGUSR1 show it."""
+        self.resources.append(resource)
+        try:
+            yield
+        finally:
+            self.resources.remove(resource)
 
     def reload_applied(self, specs: list[ResourceSpec], digest: str) -> None:
         self.specs, self.digest = specs, digest

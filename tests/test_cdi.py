@@ -15,8 +15,8 @@ from daemon_support import log_line, serving
 
 from pcc_plugin import cdi
 from pcc_plugin.flags import Flags
-from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.resource import DeviceNode, ResourceSpec
+from pcc_plugin.service import DevicePlugin
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 from pcc_plugin.state import ResourceState
 
@@ -147,7 +147,7 @@ def test_globbed_devices_get_a_cdi_device_each_and_gone_ones_leave_the_spec(
     assert [d["name"] for d in written["devices"]] == ["dm-0", "dm-1"]
     assert written["devices"][0]["containerEdits"]["env"] == ["MODE=x"]
     (host / "dev" / "dm-0").unlink()
-    plugin.refresh()
+    plugin.inventory.refresh()
     assert [d["name"] for d in json.loads(path.read_text())["devices"]] == ["dm-1"]
     assert plugin.allocate([["dm-1-0"]])[0].cdi_devices == ("power.example.com/block=dm-1",)
 
@@ -225,14 +225,14 @@ def test_a_spec_that_is_not_this_instances_is_left_and_cdi_not_named(
     path.write_text(json.dumps(existing))
     plugin = pcc_plugin_as("b", host, cdi_dir)
     (host / "dev" / "sev-guest").unlink()
-    plugin.refresh()
+    plugin.inventory.refresh()
     assert json.loads(path.read_text()) == existing
     assert [p.name for p in cdi_dir.iterdir()] == [PCC_SPEC]  # no temporary file left
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1  # once, not at every refresh
     assert errors[0].startswith(problem.format(path=path))
     (host / "dev" / "sev-guest").symlink_to("/dev/null")
-    plugin.refresh()
+    plugin.inventory.refresh()
     (container,) = plugin.allocate([["pcc-0"]])
     assert container.cdi_devices == ()
     assert [node.host_path for node in container.device_nodes] == ["/dev/sev-guest"]

@@ -37,7 +37,7 @@ from pcc_plugin.dra import claims, slices
 from pcc_plugin.dra import service as dra_service
 from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import PROG, Flags
-from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.inventory import Inventory
 from pcc_plugin.plugin_dir import remove_stale_sockets
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
@@ -600,7 +600,8 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
 ) -> None:
     """Kubelet hears why for each claim (and retries) instead of an INTERNAL error."""
     spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 4, "/dev/sev-guest", "/var/run/pcc")
-    plugin = DevicePlugin(spec, str(host), ResourceState("x"))
+    state = ResourceState(spec.name, needs_stream=False)
+    inventory = Inventory(spec, str(host), state)
     not_a_directory = tmp_path / "state"
     not_a_directory.write_text("")
 
@@ -608,7 +609,7 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
         raise AssertionError("not reached: the lock comes first")
 
     preparer = claims.Preparer(
-        DRIVER, NODE, plugin, not_a_directory, tmp_path / "cdi", "owner", get_claim
+        DRIVER, NODE, inventory, state, not_a_directory, tmp_path / "cdi", "owner", get_claim
     )
     claim = claims.ClaimRef("default", "app", "uid-1")
     with trio.fail_after(10):
@@ -617,7 +618,7 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
     for answer in (prepared["uid-1"], unprepared["uid-1"]):
         assert isinstance(answer, str)
         assert answer.startswith(f"cannot record prepared claims in {not_a_directory}: ")
-    assert plugin.state.prepares["failed"] == plugin.state.unprepares["failed"] == 1
+    assert state.prepares["failed"] == state.unprepares["failed"] == 1
 
 
 async def test_missing_credentials_are_one_line_and_exit_1(

@@ -30,9 +30,8 @@ from raw_clients import call, closed_by_server, connect, grpc_frame, request_hea
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin.flags import Flags
-from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.registration import KubeletLink
-from pcc_plugin.service import DevicePluginService
+from pcc_plugin.service import DevicePlugin, DevicePluginService
 from pcc_plugin.sim import run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.state import ResourceState

@@ -10,9 +10,8 @@ import pytest
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.flags import Flags
-from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.registration import KubeletLink
-from pcc_plugin.service import DevicePluginService
+from pcc_plugin.service import DevicePlugin, DevicePluginService
 from pcc_plugin.state import ResourceState
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -31,8 +31,9 @@ import trio
 
 from pcc_plugin import cdi
 from pcc_plugin.dra.kube import RequestFailed, describe_error, status_code
+from pcc_plugin.inventory import Inventory
 from pcc_plugin.klog import V1
-from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class Preparer:
         self,
         driver: str,
         node: str,
-        plugin: DevicePlugin,
+        inventory: Inventory,
+        state: ResourceState,
         state_dir: Path,
         cdi_dir: Path,
         owner: str,
@@ -87,7 +89,8 @@ class Preparer:
     ) -> None:
         self.driver = driver
         self.node = node
-        self.plugin = plugin
+        self.inventory = inventory
+        self.state = state
         self.state_dir = state_dir
         self.cdi_dir = cdi_dir
         self.owner = owner
@@ -163,7 +166,7 @@ class Preparer:
         try:
             return await self._prepare(claims)
         except OSError as exc:
-            self.plugin.state.prepared("failed", len(claims))
+            self.state.prepared("failed", len(claims))
             return {claim.uid: self._unrecorded(exc) for claim in claims}
 
     async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
@@ -171,7 +174,7 @@ class Preparer:
         try:
             return await self._unprepare(claims)
         except OSError as exc:
-            self.plugin.state.unprepared("failed", len(claims))
+            self.state.unprepared("failed", len(claims))
             return {claim.uid: self._unrecorded(exc) for claim in claims}
 
     def _unrecorded(self, error: OSError) -> str:
@@ -193,11 +196,11 @@ class Preparer:
                     else:
                         devices = self._first_time(claim, allocations[claim.uid], prepared)
                 except ClaimError as exc:
-                    self.plugin.state.prepared("failed")
+                    self.state.prepared("failed")
                     log.warning("NodePrepareResources %s (%s): %s", claim, claim.uid, exc)
                     answers[claim.uid] = str(exc)
                     continue
-                self.plugin.state.prepared("ok")
+                self.state.prepared("ok")
                 answers[claim.uid] = devices
             self._save(prepared)
         return answers
@@ -210,11 +213,11 @@ class Preparer:
                 try:
                     cdi.remove_claim_spec(self.cdi_dir, self.driver, claim.uid, self.owner)
                 except OSError as exc:
-                    self.plugin.state.unprepared("failed")
+                    self.state.unprepared("failed")
                     answers[claim.uid] = f"cannot remove its CDI spec: {exc}"
                     continue
                 known = prepared.pop(claim.uid, None) is not None
-                self.plugin.state.unprepared("ok")
+                self.state.unprepared("ok")
                 log.log(V1, "NodeUnprepareResources %s (%s): %s", claim, claim.uid,
                         "unprepared" if known else "not prepared here, nothing to do")  # fmt: skip
                 answers[claim.uid] = None
@@ -290,7 +293,7 @@ class Preparer:
             raise ClaimError("the ResourceClaim is not allocated")
         results = (allocation.get("devices") or {}).get("results") or []
         devices = []
-        by_id = {device.id: device for device in self.plugin.devices}
+        by_id = {device.id: device for device in self.inventory.devices}
         for result in results:
             if result.get("driver") != self.driver:
                 continue
@@ -318,13 +321,13 @@ class Preparer:
         ]
 
     def _write_spec(self, uid: str, device_id: str) -> None:
-        by_id = {device.id: device for device in self.plugin.devices}
+        by_id = {device.id: device for device in self.inventory.devices}
         device = by_id.get(device_id)
         if device is None:
             raise ClaimError(f"device {device_id} is no longer one of this node's")
         try:
             cdi.write_claim_spec(
-                self.cdi_dir, self.driver, uid, self.plugin.spec, device, self.owner
+                self.cdi_dir, self.driver, uid, self.inventory.spec, device, self.owner
             )
         except (OSError, cdi.CdiConflict) as exc:
             raise ClaimError(f"cannot write its CDI spec: {exc}") from None

@@ -41,8 +41,9 @@ MAX_CLAIMS = 128
 class RegistrationService:
     """What kubelet asks of the registration socket: who we are, and how registering went."""
 
-    def __init__(self, driver: str, endpoint: str, state: ResourceState) -> None:
+    def __init__(self, driver: str, endpoint: str, state: ResourceState, cause: str) -> None:
         self._state = state
+        self._cause = cause
         self._driver = driver
         self._info = bytes(
             registration.PluginInfo(
@@ -69,7 +70,7 @@ class RegistrationService:
         check_message(data, wire.REGISTRATION_STATUS, "RegistrationStatus")
         status = registration.RegistrationStatus.parse(data)
         if status.plugin_registered:
-            self._state.registered_with_kubelet("kubelet registered the driver")
+            self._state.registered_with_kubelet(self._cause)
             log.info("Registered DRA driver %s with kubelet", self._driver)
         else:
             self._state.waiting(f"kubelet refused the registration: {status.error}")

@@ -27,8 +27,8 @@ import attrs
 import trio
 
 from pcc_plugin.dra.kube import Api, RequestFailed, describe_error, status_code
+from pcc_plugin.generations import Backoff, Outage
 from pcc_plugin.klog import V1
-from pcc_plugin.registration import Backoff
 from pcc_plugin.resource import Device, ResourceSpec
 from pcc_plugin.state import ResourceState
 
@@ -182,30 +182,6 @@ class Publisher:
             return
 
 
-@attrs.define
-class Outage:
-    """The API server failing, across retries: said once it lasts, not at every retry."""
-
-    since: float | None = None
-    reported_at: float | None = None
-
-    def failed(self, what: str, why: str, state: ResourceState) -> None:
-        now = trio.current_time()
-        self.since = now if self.since is None else self.since
-        problem = f"ResourceSlices not published: {what} failed: {why}"
-        state.slices_not_published(problem)
-        if self.reported_at is None or now - self.reported_at >= REPORT_EVERY:
-            self.reported_at = now
-            log.error("%s; retrying", problem)
-        else:
-            log.log(V1, "%s; retrying", problem)
-
-    def over(self) -> None:
-        if self.since is not None:
-            log.info("The API server answers again after %.0f s", trio.current_time() - self.since)
-        self.since = self.reported_at = None
-
-
 async def publish(
     api: Api,
     driver: str,
@@ -216,7 +192,13 @@ async def publish(
 ) -> None:
     """Keep the node's slices as `wanted` says, again whenever `changed()` fires; forever."""
     backoff = Backoff(first=RETRY_FIRST, cap=RETRY_CAP)
-    outage = Outage()
+    outage = Outage(
+        log,
+        quiet="{problem}; retrying",
+        loud="{problem}; retrying",
+        back="The API server answers again after {seconds:.0f} s",
+        repeat=REPORT_EVERY,
+    )
     publisher: Publisher | None = None
     state.slices_not_published("ResourceSlices not published yet")
     what = f"reading Node {node}"
@@ -244,7 +226,9 @@ async def publish(
             why = describe_error(error)
             if status_code(error) == 404 and publisher is None:
                 why = f"Node {node} does not exist: check --node-name"
-            outage.failed(what, why, state)
+            problem = f"ResourceSlices not published: {what} failed: {why}"
+            state.slices_not_published(problem)
+            outage.failed(problem)
             await trio.sleep(backoff.next_delay())
 
 
