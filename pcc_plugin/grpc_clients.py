@@ -19,7 +19,6 @@ from pcc_plugin.bridge import call_asyncio
 if TYPE_CHECKING:
     from pcc_plugin._proto import pluginregistration
 
-Status = grpclib.const.Status
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -91,7 +90,7 @@ async def probe_unimplemented(socket_path: Path, method: str, deadline: float) -
     try:
         await _call(call, api.Empty(), timeout=deadline)
     except grpclib.exceptions.GRPCError as exc:
-        if exc.status is Status.UNIMPLEMENTED:
+        if exc.status is grpclib.const.Status.UNIMPLEMENTED:
             return None
         return f"answered {exc.status.name}: {exc.message}"
     except TimeoutError:

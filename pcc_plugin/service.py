@@ -206,12 +206,12 @@ class DevicePluginService:
     # Unary methods answer a request's bytes with the response's (see grpc_server.MethodSpec).
 
     def get_device_plugin_options(self, data: bytes, call: Call) -> bytes:
-        check_message(data, wire.EMPTY, "Empty")
+        wire.check_request(data, wire.EMPTY, "Empty")
         self._link.options_called(call.connection)
         return self._options
 
     async def list_and_watch(self, call: Call) -> None:
-        check_message(await call.receive(), wire.EMPTY, "Empty")
+        wire.check_request(await call.receive(), wire.EMPTY, "Empty")
         is_kubelet = self._link.stream_opened(call.connection)
         try:
             await self._plugin.feed.stream(call.send)
@@ -219,7 +219,7 @@ class DevicePluginService:
             self._link.stream_closed(is_kubelet)
 
     def get_preferred_allocation(self, data: bytes, call: Call) -> bytes:
-        check_message(data, wire.PREFERRED_ALLOCATION_REQUEST, "PreferredAllocationRequest")
+        wire.check_request(data, wire.PREFERRED_ALLOCATION_REQUEST, "PreferredAllocationRequest")
         raise GRPCError(
             Status.UNIMPLEMENTED,
             "GetPreferredAllocation is not offered: every share is the same device",
@@ -270,13 +270,6 @@ class DevicePluginService:
         else:
             why = f"cannot decode {name}: {exc}"
         return GRPCError(Status.INVALID_ARGUMENT, why)
-
-
-def check_message(data: bytes, schema: wire.Schema, name: str) -> None:
-    try:
-        wire.check(data, schema)
-    except wire.WireError as exc:
-        raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from None
 
 
 @functools.lru_cache(maxsize=256)

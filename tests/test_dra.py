@@ -35,6 +35,7 @@ from raw_clients import closed_by_server, connect
 from pcc_plugin import configuration, flags, grpc_server
 from pcc_plugin.dra import claims, slices
 from pcc_plugin.dra import service as dra_service
+from pcc_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import PROG, Flags
 from pcc_plugin.inventory import Inventory
@@ -608,8 +609,9 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
     async def get_claim(namespace: str, name: str) -> dict[str, Any]:
         raise AssertionError("not reached: the lock comes first")
 
+    checkpoint = Checkpoint(not_a_directory, DRIVER)
     preparer = claims.Preparer(
-        DRIVER, NODE, inventory, state, not_a_directory, tmp_path / "cdi", "owner", get_claim
+        DRIVER, NODE, inventory, state, checkpoint, tmp_path / "cdi", "owner", get_claim
     )
     claim = claims.ClaimRef("default", "app", "uid-1")
     with trio.fail_after(10):
@@ -619,6 +621,59 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
         assert isinstance(answer, str)
         assert answer.startswith(f"cannot record prepared claims in {not_a_directory}: ")
     assert state.prepares["failed"] == state.unprepares["failed"] == 1
+
+
+# As the driver has written it since the DRA mode came (json.dump, indent 1, sorted keys).
+CHECKPOINT_V1 = """{
+ "claims": {
+  "uid-1": {
+   "devices": [
+    {
+     "device": "pcc-3",
+     "pool": "node-a",
+     "requests": [
+      "pcc"
+     ]
+    }
+   ],
+   "name": "app",
+   "namespace": "default"
+  }
+ },
+ "driver": "pcc.tke.cloud.tencent.com",
+ "version": 1
+}"""
+
+
+def test_a_checkpoint_of_version_1_is_read_typed_and_written_as_it_was(tmp_path: Path) -> None:
+    """A driver upgraded in place (or rolled back) reads what the other wrote."""
+    (tmp_path / "checkpoint.json").write_text(CHECKPOINT_V1)
+    checkpoint = Checkpoint(tmp_path, DRIVER)
+    prepared = checkpoint.read()
+    assert prepared == {
+        "uid-1": PreparedClaim("default", "app", (PreparedDevice(("pcc",), NODE, "pcc-3"),))
+    }
+    checkpoint.write(prepared)
+    assert (tmp_path / "checkpoint.json").read_text() == CHECKPOINT_V1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", CHECKPOINT_V1.replace('"version": 1', '"version": 2'), '{"version": 1}'],
+    ids=["not JSON", "another version", "no claims"],
+)
+def test_an_unreadable_checkpoint_is_kept_aside_and_the_driver_starts_empty(
+    tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "checkpoint.json").write_text(text)
+    assert Checkpoint(tmp_path, DRIVER).read() == {}
+    assert (tmp_path / "checkpoint.json.unreadable").read_text() == text
+    assert not (tmp_path / "checkpoint.json").exists()
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR
+    assert record.getMessage().startswith(
+        f"Checkpoint {tmp_path / 'checkpoint.json'} was unreadable"
+    )
 
 
 async def test_missing_credentials_are_one_line_and_exit_1(

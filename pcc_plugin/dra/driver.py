@@ -19,6 +19,7 @@ from asyncinotify import Inotify, Mask
 
 from pcc_plugin import grpc_server
 from pcc_plugin.dra import kube, slices
+from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.dra.claims import Preparer
 from pcc_plugin.dra.service import DraService, RegistrationService
 from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
@@ -56,8 +57,9 @@ class DraMode:
     async def serve(self, bug_backoff: Backoff) -> None:
         config, inventory = self.config, self.inventory
         api = kube.open_client(config.kubeconfig)
+        checkpoint = Checkpoint(state_dir(config), config.driver_name)
         self.preparer = Preparer(
-            config.driver_name, config.node_name, inventory, self.state, state_dir(config),
+            config.driver_name, config.node_name, inventory, self.state, checkpoint,
             Path(config.cdi_spec_dir), config.instance_name, api.get_claim,
         )  # fmt: skip
 
