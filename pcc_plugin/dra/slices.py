@@ -36,14 +36,14 @@ log = logging.getLogger(__name__)
 
 MAX_DEVICES_PER_SLICE = 128
 # After a failed request the next waits this long, doubling to the cap, jittered.
-RETRY_FIRST = 0.5
-RETRY_CAP = 15.0
+API_RETRY_FIRST = 0.5
+API_RETRY_CAP = 15.0
 # An error line while the API server cannot be reached, at most this often.
 REPORT_EVERY = 60.0
 # A watch is renewed (listed again) this often: a connection that died without a word would
 # otherwise hold it forever. client-go's reflectors renew every 5 to 10 minutes.
 WATCH_RENEW = 300.0
-API_VERSION = "resource.k8s.io/v1"
+RESOURCE_API = "resource.k8s.io/v1"
 _MAX_NAME = 253
 
 
@@ -95,7 +95,7 @@ def desired(pool: Pool, spec: ResourceSpec, devices: tuple[Device, ...]) -> list
     ] or [[]]
     return [
         {
-            "apiVersion": API_VERSION,
+            "apiVersion": RESOURCE_API,
             "kind": "ResourceSlice",
             "metadata": {
                 "name": slice_name(pool, index),
@@ -191,7 +191,7 @@ async def publish(
     state: ResourceState,
 ) -> None:
     """Keep the node's slices as `wanted` says, again whenever `changed()` fires; forever."""
-    backoff = Backoff(first=RETRY_FIRST, cap=RETRY_CAP)
+    backoff = Backoff(first=API_RETRY_FIRST, cap=API_RETRY_CAP)
     outage = Outage(
         log,
         quiet="{problem}; retrying",
