@@ -20,7 +20,7 @@ from pcc_plugin.inventory import watch_health
 from pcc_plugin.plugin_dir import SocketNames, own_sockets, remove_stale_sockets, watch_plugin_dir
 from pcc_plugin.registration import API_VERSION, Kubelet, KubeletLink, reregister_when_stream_ends
 from pcc_plugin.rollout import Followers
-from pcc_plugin.service import DevicePlugin, DevicePluginService
+from pcc_plugin.service import DevicePlugin
 
 
 class DevicePluginMode:
@@ -46,9 +46,8 @@ class DevicePluginMode:
         endpoint = next(self._names)
         self.state.waiting("registering with kubelet")
         link = KubeletLink(self.state)
-        service = DevicePluginService(self.plugin, link)
         server = grpc_server.Server(
-            service.methods(), self.state.handler_failed, link.connection_closed
+            self.plugin.methods(link), self.state.handler_failed, link.connection_closed
         )
         remove_stale_sockets(
             own_sockets(plugin_dir, spec.socket_prefix, endpoint), self._names.stem
@@ -67,7 +66,7 @@ class DevicePluginMode:
             version=API_VERSION,
             endpoint=endpoint,
             resource_name=spec.name,
-            options=self.plugin.options(),
+            options=self.plugin.options,
         )
         nursery.start_soon(self._kubelet.register, plugin_dir, request, link, generation.cause)
         nursery.start_soon(reregister_when_stream_ends, plugin_dir, link, generation.restart)

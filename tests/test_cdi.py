@@ -121,7 +121,7 @@ def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     }
     assert path.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in cdi_dir.iterdir()] == [path.name]  # no temporary file left
-    (container,) = plugin.allocate([["pcc-0", "pcc-1"]])
+    (container,) = plugin.grants([["pcc-0", "pcc-1"]])
     assert container.cdi_devices == ("tke.cloud.tencent.com/pcc-device=pcc",)
     # Runtimes without CDI still get the device and the mount.
     assert [d.host_path for d in container.device_nodes] == ["/dev/sev-guest"]
@@ -149,7 +149,7 @@ def test_globbed_devices_get_a_cdi_device_each_and_gone_ones_leave_the_spec(
     (host / "dev" / "dm-0").unlink()
     plugin.inventory.refresh()
     assert [d["name"] for d in json.loads(path.read_text())["devices"]] == ["dm-1"]
-    assert plugin.allocate([["dm-1-0"]])[0].cdi_devices == ("power.example.com/block=dm-1",)
+    assert plugin.grants([["dm-1-0"]])[0].cdi_devices == ("power.example.com/block=dm-1",)
 
 
 def owned_by(owner: str) -> dict[str, Any]:
@@ -233,7 +233,7 @@ def test_a_spec_that_is_not_this_instances_is_left_and_cdi_not_named(
     assert errors[0].startswith(problem.format(path=path))
     (host / "dev" / "sev-guest").symlink_to("/dev/null")
     plugin.inventory.refresh()
-    (container,) = plugin.allocate([["pcc-0"]])
+    (container,) = plugin.grants([["pcc-0"]])
     assert container.cdi_devices == ()
     assert [node.host_path for node in container.device_nodes] == ["/dev/sev-guest"]
 
@@ -251,7 +251,7 @@ def test_an_instance_rewrites_its_own_spec(
     (cdi_dir / PCC_SPEC).write_text(json.dumps(existing))
     plugin = pcc_plugin_as("b", host, cdi_dir)
     assert json.loads((cdi_dir / PCC_SPEC).read_text())["annotations"] == {cdi.OWNER: "b"}
-    assert plugin.allocate([["pcc-0"]])[0].cdi_devices == ("tke.cloud.tencent.com/pcc-device=pcc",)
+    assert plugin.grants([["pcc-0"]])[0].cdi_devices == ("tke.cloud.tencent.com/pcc-device=pcc",)
 
 
 def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
@@ -263,7 +263,7 @@ def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
         Flags().pcc_resource(), str(host), ResourceState("x"), cdi_spec_dir=blocked
     )
     assert any("Cannot write CDI spec" in message for message in caplog.messages)
-    (container,) = plugin.allocate([["pcc-0"]])
+    (container,) = plugin.grants([["pcc-0"]])
     assert container.device_nodes
     assert container.cdi_devices == ()
 

@@ -31,7 +31,7 @@ from raw_clients import call, closed_by_server, connect, grpc_frame, request_hea
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin.flags import Flags
 from pcc_plugin.registration import KubeletLink
-from pcc_plugin.service import DevicePlugin, DevicePluginService
+from pcc_plugin.service import DevicePlugin
 from pcc_plugin.sim import run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.state import ResourceState
@@ -56,10 +56,8 @@ async def serving(
 ) -> AsyncIterator[grpc_server.Server]:
     """The PCC resource's service on `socket_path`, until the block ends (then torn down)."""
     plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceState("x"))
-    service = DevicePluginService(plugin, KubeletLink(plugin.state))
-    server = grpc_server.Server(
-        service.methods(), plugin.state.handler_failed, idle_client=idle_client
-    )
+    methods = plugin.methods(KubeletLink(plugin.state))
+    server = grpc_server.Server(methods, plugin.state.handler_failed, idle_client=idle_client)
     async with bridge.asyncio_loop(), trio.open_nursery() as nursery:
         listener, own = grpc_server.bind(socket_path)
         await nursery.start(grpc_server.serve, server, listener, socket_path, own)

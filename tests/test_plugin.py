@@ -14,11 +14,9 @@ import pytest
 
 from pcc_plugin.flags import Flags
 from pcc_plugin.klog import V1
-from pcc_plugin.registration import KubeletLink
 from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
 from pcc_plugin.service import (
     DevicePlugin,
-    DevicePluginService,
     encode_allocate_response,
     encode_listing,
 )
@@ -53,7 +51,7 @@ def listing(plugin: DevicePlugin) -> pb.ListAndWatchResponse:
 
 
 def allocate(plugin: DevicePlugin, *containers: list[str]) -> pb.AllocateResponse:
-    encoded = encode_allocate_response(tuple(plugin.allocate(list(containers))))
+    encoded = encode_allocate_response(tuple(plugin.grants(list(containers))))
     response: pb.AllocateResponse = pb.AllocateResponse.FromString(encoded)
     return response
 
@@ -74,7 +72,7 @@ def test_listing_follows_resource_count_and_health(host: Path) -> None:
 
 
 def test_options_offer_nothing_unimplemented(host: Path) -> None:
-    options = pb.DevicePluginOptions.FromString(bytes(pcc_plugin(host).options()))
+    options = pb.DevicePluginOptions.FromString(bytes(pcc_plugin(host).options))
     assert not options.pre_start_required
     assert not options.get_preferred_allocation_available
 
@@ -121,7 +119,7 @@ def test_bad_requests_name_the_problem(
 ) -> None:
     plugin = pcc_plugin(host)
     with refused(INVALID_ARGUMENT, message):
-        plugin.allocate(containers)
+        plugin.grants(containers)
     assert plugin.state.allocations == {"invalid": 1}
 
 
@@ -131,24 +129,24 @@ def test_allocate_fails_with_the_reason_while_unhealthy(host: Path) -> None:
     (host / "dev" / "sev-guest").unlink()
     plugin.inventory.refresh()
     with refused(FAILED_PRECONDITION, r"pcc-0 is unhealthy: detect device .* failed"):
-        plugin.allocate(request)
+        plugin.grants(request)
     (host / "dev" / "sev-guest").symlink_to("/dev/null")
     plugin.inventory.refresh()
-    assert len(plugin.allocate(request)) == 1
+    assert len(plugin.grants(request)) == 1
     assert plugin.state.allocations == {"unavailable": 1, "ok": 1}
     assert (plugin.state.healthy_devices, plugin.state.unhealthy_devices) == (16, 0)
 
 
 def test_pre_start_check_looks_at_the_node_again(host: Path) -> None:
     checked = pcc_plugin(host, pre_start_check=True)
-    assert checked.options().pre_start_required
-    request = ["pcc-0"]
-    checked.pre_start_container(request)
+    assert checked.options.pre_start_required
+    request = _pre_start_request(["pcc-0"])
+    assert checked.pre_start_container(request, None) == b""  # type: ignore[arg-type]
     (host / "var" / "run" / "pcc").rmdir()
     with refused(FAILED_PRECONDITION, f"detect socket path {host}/var/run/pcc"):
-        checked.pre_start_container(request)
+        checked.pre_start_container(request, None)  # type: ignore[arg-type]
     with refused(INVALID_ARGUMENT, "unknown device IDs 'nope'"):
-        checked.pre_start_container(["nope"])
+        checked.pre_start_container(_pre_start_request(["nope"]), None)  # type: ignore[arg-type]
 
 
 def _allocate_request(*containers: list[str]) -> bytes:
@@ -191,9 +189,8 @@ def test_service_answers_each_refusal_with_its_status(
     plugin = pcc_plugin(host, pre_start_check=True)
     (host / "dev" / "sev-guest").unlink()  # pcc-0 unhealthy, for FAILED_PRECONDITION
     plugin.inventory.refresh()
-    service = DevicePluginService(plugin, KubeletLink(plugin.state))
     with pytest.raises(grpclib.exceptions.GRPCError) as refused:
-        getattr(service, method)(request_bytes, None)
+        getattr(plugin, method)(request_bytes, None)
     assert refused.value.status is grpclib.const.Status[status]
     assert refused.value.message is not None
     assert details in refused.value.message
@@ -221,10 +218,9 @@ def test_a_refused_allocate_is_logged_at_v1_with_its_reason(
     if reason.startswith("FAILED_PRECONDITION"):
         (host / "dev" / "sev-guest").unlink()
         plugin.inventory.refresh()
-    service = DevicePluginService(plugin, KubeletLink(plugin.state))
     caplog.set_level(V1)
     with pytest.raises(grpclib.exceptions.GRPCError):
-        service.allocate(request_bytes, None)  # type: ignore[arg-type]  # it reads no call
+        plugin.allocate(request_bytes, None)  # type: ignore[arg-type]  # it reads no call
     (record,) = [r for r in caplog.records if r.getMessage().startswith("Allocate ")]
     assert record.levelno == V1
     assert record.getMessage().startswith(f"Allocate {RESOURCE} refused, {reason}")
