@@ -153,7 +153,7 @@ class HttpServer:
         await stream.send_all(data)
 
 
-async def serve(
+async def serve_http(
     bind_address: str,
     daemon: DaemonState,
     *,

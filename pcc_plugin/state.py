@@ -33,8 +33,6 @@ class ResourceState:
     # Why the resource is not ready, while it is not registered.
     waiting_for: str = "not registered with kubelet yet"
     kubelet_stream_open: bool = False
-    # Which kubelet.sock the last registration went to (device, inode, ctime).
-    kubelet: tuple[int, int, int] | None = None
     # Why the DRA driver's ResourceSlices are not as the node is (None once they are).
     slices_problem: str | None = None
     # Why its sockets cannot be served (a filesystem fault), while they cannot.

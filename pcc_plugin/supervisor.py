@@ -6,7 +6,7 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
     └── root nursery
         ├── handle_signals           TERM/INT/QUIT stop; HUP reloads; USR1 logs this tree
         └── stop scope
-            ├── http_server.serve    /metrics, /livez, /readyz (with a bind address)
+            ├── serve_http           /metrics, /livez, /readyz (with a bind address)
             │   └── trio.serve_listeners → HttpServer.handle, one per connection
             ├── watch_config_file    [dp] with --config: the file, or the ConfigMap's ..data swap
             └── Resources.serve      the configuration; applies reloads
@@ -117,7 +117,7 @@ async def serve_all(
             from pcc_plugin import http_server
 
             bound = await nursery.start(
-                http_server.serve, config.metrics_bind_address, resources.daemon
+                http_server.serve_http, config.metrics_bind_address, resources.daemon
             )
             for address, port in bound:
                 log.info("Serving /metrics, /livez and /readyz on %s port %d", address, port)

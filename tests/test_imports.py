@@ -1,4 +1,5 @@
-"""The package's modules import one another without a cycle, imports inside functions counted.
+"""The package's modules import one another without a cycle, imports inside functions counted;
+no two of its functions or classes share a name.
 
 A cycle works only as long as every module of it happens to be imported in a working order;
 the next import moved to the top of a file breaks it, or a newcomer cannot say which module
@@ -71,6 +72,20 @@ def test_the_package_imports_without_cycles() -> None:
     assert "pcc_plugin.supervisor" in graph["pcc_plugin.main"]  # the walk sees function bodies
     found = cycle(graph)
     assert found is None, " -> ".join(found)
+
+
+def test_no_two_functions_or_classes_of_the_package_share_a_name() -> None:
+    """One name, one meaning: a newcomer who greps a name finds one definition. `main` is each
+    command's entry point (the daemon, the doctor, the simulator, its demo)."""
+    where: dict[str, list[str]] = {}
+    for name, path in module_names().items():
+        if "._proto" in name or "._pb" in name:
+            continue  # generated
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                where.setdefault(node.name, []).append(name)
+    shared = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert shared.keys() <= {"main"}, shared
 
 
 def test_the_walk_finds_a_cycle() -> None:
