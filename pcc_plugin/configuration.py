@@ -1,4 +1,5 @@
-"""The running configuration: which resources are served, from which file, and its reloads.
+"""What the daemon serves, in which mode (`read`, at start and at each reload), and the
+watch on the --config file.
 
 With `--config`, the file is read again when it changes (a ConfigMap volume
 swaps its `..data` symlink; an editor renames or rewrites the file) and on
@@ -16,6 +17,7 @@ import attrs
 import trio
 from asyncinotify import Mask
 
+from pcc_plugin.flags import DEFAULT_MODE, Flags
 from pcc_plugin.inotify import DIR_GONE, next_events, open_inotify, wait_for_directory
 from pcc_plugin.resource import ResourceSpec
 
@@ -25,17 +27,86 @@ log = logging.getLogger(__name__)
 # replaced by a rename when the ConfigMap changes.
 CONFIGMAP_DATA = "..data"
 _CHANGED = Mask.CLOSE_WRITE | Mask.MOVED_TO | Mask.CREATE | Mask.DELETE | Mask.ATTRIB
+# A ResourceSlice's string attributes hold at most this many characters.
+MAX_ATTRIBUTE_CHARS = 64
 
 
-@attrs.define
-class Configuration:
-    """What runs now. `generation` counts applied configurations, the first being 1."""
+class ConfigError(ValueError):
+    """The flags and the --config file cannot be served: one line that starts with the flag,
+    or names the file and key."""
+
+
+@attrs.frozen
+class Served:
+    """What the daemon serves: its resources, the hash of the file they came from ("flags"
+    without one), and the mode."""
 
     specs: list[ResourceSpec]
-    path: Path | None
     digest: str
-    generation: int = 1
-    last_reload_failed: bool = False
+    mode: str
+
+
+def read(config: Flags) -> Served:
+    """The --config file's resources, else the PCC profile from the flags, in the mode --mode or
+    the file's `mode` key gives (the two must agree); ConfigError if they cannot be served.
+
+    It reads the file and nothing else, and changes nothing: a reload calls it too.
+    """
+    if not config.config:
+        served = Served([config.pcc_resource()], "flags", config.mode or DEFAULT_MODE)
+    else:
+        # Imported only now: the YAML parser is not needed without --config.
+        from pcc_plugin import profiles
+
+        try:
+            specs, digest, file_mode = profiles.load(config.config)
+        except profiles.ProfileError as exc:
+            raise ConfigError(str(exc)) from None
+        if config.mode and file_mode and config.mode != file_mode:
+            raise ConfigError(
+                f"--mode: {config.mode} disagrees with mode {file_mode} in {config.config}; "
+                "give one of them"
+            )
+        served = Served(specs, digest, config.mode or file_mode or DEFAULT_MODE)
+    problem = dra_problem(config, served.specs) if served.mode == "dra" else None
+    if problem:
+        raise ConfigError(problem)
+    return served
+
+
+def dra_problem(config: Flags, specs: list[ResourceSpec]) -> str | None:
+    """Why --mode=dra cannot serve these flags and resources, starting with the flag or key."""
+    if not config.node_name:
+        return (
+            "--node-name: required with --mode=dra: the node's name is its ResourceSlices' pool "
+            "(the manifests pass spec.nodeName)"
+        )
+    for name in ("cdi", "pre_start_check"):
+        if getattr(config, name):
+            flag = name.replace("_", "-")
+            return f"--{flag}: not used with --mode=dra, which always hands devices over by CDI"
+    if len(specs) != 1:
+        return (
+            f"--config: {config.config} lists {len(specs)} resources; --mode=dra serves one "
+            "(one driver, one kind of device)"
+        )
+    (spec,) = specs
+    if spec.glob_nodes:
+        return f"--config: {spec.name}: --mode=dra serves no globbed devices"
+    if "." in spec.socket_prefix:
+        return (
+            f"--config: {spec.name}: socketPrefix {spec.socket_prefix!r} names the DRA devices "
+            "and must have no '.' (devices are DNS labels)"
+        )
+    long = [path for path in spec.host_paths() if len(path) > MAX_ATTRIBUTE_CHARS]
+    if long:
+        return (
+            f"--config: {spec.name}: host path {long[0]!r} is longer than the "
+            f"{MAX_ATTRIBUTE_CHARS} characters a ResourceSlice attribute holds"
+        )
+    from pcc_plugin.dra.sockets import socket_path_problem
+
+    return socket_path_problem(config)
 
 
 async def watch_config_file(

@@ -34,11 +34,9 @@ STACK = ("trio", "grpclib", "betterproto2", "asyncinotify", "attrs")
 # (`<prefix of up to 20>-<pid>-<token>-<n>.sock`).
 MAX_PLUGIN_DIR_BYTES = 56
 MODES = ("device-plugin", "dra")
-# A ResourceSlice's string attributes hold at most this many characters.
-MAX_ATTRIBUTE_CHARS = 64
 DEFAULT_MODE = "device-plugin"
 DEFAULT_DRIVER_NAME = "pcc.tke.cloud.tencent.com"
-# Room for `<driver>-<token>-reg.sock` in a unix socket path (107 bytes; dra.socket_names
+# Room for `<driver>-<token>-reg.sock` in a unix socket path (107 bytes; dra.sockets
 # shortens the token when a path would be longer).
 MAX_KUBELET_DIR_BYTES = 48
 
@@ -51,7 +49,7 @@ class UsageError(ValueError):
     """A flag value that cannot work; the message starts with the flag's name."""
 
 
-Check = Callable[[str, Any], str | None]
+Check = Callable[[Any], str | None]
 
 
 def _flag(
@@ -60,11 +58,11 @@ def _flag(
     help: str,
     *,
     metavar: str | None = None,
-    check: Check | None = None,
+    check: Check = lambda _: None,
     shown: str | None = None,
 ) -> Any:
     def validate(_: object, __: attrs.Attribute[Any], value: Any) -> None:
-        problem = check(name, value) if check else None
+        problem = check(value)
         if problem:
             raise UsageError(f"{name}: {problem}")
 
@@ -75,44 +73,43 @@ def _flag(
     )
 
 
-def _absolute(_: str, value: str) -> str | None:
-    return None if value.startswith("/") else f"must be an absolute path, got {value!r}"
+def _unless(problem: str, test: Callable[[Any], object]) -> Check:
+    """The problem (its `{value!r}` filled in) for a value that fails `test`."""
+    return lambda value: None if test(value) else problem.format(value=value)
+
+
+_absolute = _unless("must be an absolute path, got {value!r}", lambda value: value[:1] == "/")
 
 
 def _host_path(hazard: Callable[[str], str | None]) -> Check:
     """An absolute path that is not a sensitive host path (flags have no opt-in)."""
 
-    def check(name: str, value: str) -> str | None:
-        problem = _absolute(name, value)
-        if problem:
-            return problem
+    def check(value: str) -> str | None:
         danger = hazard(normalised(value))
-        return f"{danger}: refusing to hand it to containers" if danger else None
+        refused = f"{danger}: refusing to hand it to containers" if danger else None
+        return _absolute(value) or refused
 
     return check
 
 
-def _count_range(low: int, high: int | None) -> Check:
-    def check(_: str, value: int) -> str | None:
-        if low <= value and (high is None or value <= high):
-            return None
-        return (
-            f"must be from {low} to {high}, got {value}"
-            if high
-            else (f"must be at least {low}, got {value}")
-        )
+def _count_range(low: int, high: int | None = None) -> Check:
+    if high is None:
+        return _unless(f"must be at least {low}, got {{value}}", lambda value: low <= value)
+    return _unless(f"must be from {low} to {high}, got {{value}}", lambda v: low <= v <= high)
+
+
+def _socket_dir(limit: int) -> Check:
+    """An absolute directory short enough for the socket paths made in it."""
+
+    def check(value: str) -> str | None:
+        size = len(value.encode())
+        too_long = f"is too long for unix sockets: {size} bytes, at most {limit}"
+        return too_long if size > limit else _absolute(value)
 
     return check
 
 
-def _plugin_dir(name: str, value: str) -> str | None:
-    size = len(value.encode())
-    if size > MAX_PLUGIN_DIR_BYTES:
-        return f"is too long for unix sockets: {size} bytes, at most {MAX_PLUGIN_DIR_BYTES}"
-    return _absolute(name, value)
-
-
-def _instance_name(_: str, value: str) -> str | None:
+def _instance_name(value: str) -> str | None:
     if not value:
         return (
             "must not be empty: the manifests pass the pod label app.kubernetes.io/instance, "
@@ -126,51 +123,27 @@ def _instance_name(_: str, value: str) -> str | None:
     )
 
 
-def _bind_address(_: str, value: str) -> str | None:
-    if not value:
-        return None
+def _is_bind_address(value: str) -> bool:
     _, colon, port = value.rpartition(":")
-    if not colon or not port.isdigit() or int(port) > 65535:
-        return f"must be host:port, :port or empty, got {value!r}"
-    return None
+    return not value or (bool(colon) and port.isdigit() and int(port) <= 65535)
 
 
-def _mode(_: str, value: str) -> str | None:
-    if value and value not in MODES:
-        return f"must be {' or '.join(MODES)}, got {value!r}"
-    return None
+_host_root = _unless("must be empty or an absolute path, got {value!r}", lambda v: v[:1] in "/")
+_bind_address = _unless("must be host:port, :port or empty, got {value!r}", _is_bind_address)
+_mode = _unless(f"must be {' or '.join(MODES)}, got {{value!r}}", lambda v: v in ("", *MODES))
+_pod_uid = _unless(
+    "must be a pod UID (lowercase hex and '-'), got {value!r}",
+    lambda v: not v or re.fullmatch(r"[0-9a-f][0-9a-f-]{0,62}", v),
+)
+# Kubernetes checks a DRA driver name as a DNS subdomain of at most 63 characters.
+_driver_name = _unless(
+    "must be a lowercase DNS subdomain with a dot, at most 63 characters, "
+    f"e.g. {DEFAULT_DRIVER_NAME}, got {{value!r}}",
+    lambda v: len(v) <= 63 and "." in v and DNS1123_SUBDOMAIN.fullmatch(v),
+)
 
 
-def _driver_name(_: str, value: str) -> str | None:
-    # Kubernetes checks a DRA driver name as a DNS subdomain of at most 63 characters.
-    if len(value) <= 63 and DNS1123_SUBDOMAIN.fullmatch(value) and "." in value:
-        return None
-    return (
-        f"must be a lowercase DNS subdomain with a dot, at most 63 characters, "
-        f"e.g. {DEFAULT_DRIVER_NAME}, got {value!r}"
-    )
-
-
-def _kubelet_dir(name: str, value: str) -> str | None:
-    size = len(value.encode())
-    if size > MAX_KUBELET_DIR_BYTES:
-        return f"is too long for unix sockets: {size} bytes, at most {MAX_KUBELET_DIR_BYTES}"
-    return _absolute(name, value)
-
-
-def _pod_uid(_: str, value: str) -> str | None:
-    if value and not re.fullmatch(r"[0-9a-f][0-9a-f-]{0,62}", value):
-        return f"must be a pod UID (lowercase hex and '-'), got {value!r}"
-    return None
-
-
-def _host_root(_: str, value: str) -> str | None:
-    if value and not value.startswith("/"):
-        return f"must be empty or an absolute path, got {value!r}"
-    return None
-
-
-def _resource_name(_: str, value: str) -> str | None:
+def _resource_name(value: str) -> str | None:
     problem = resource_name_problem(value)
     return f"{value!r} would be rejected by kubelet: {problem}" if problem else None
 
@@ -203,7 +176,7 @@ class Flags:
     device_plugin_path: str = _flag(
         "--device-plugin-path", "/var/lib/kubelet/device-plugins",
         "kubelet's device-plugin socket directory; waited for if missing",
-        metavar="DIR", check=_plugin_dir,
+        metavar="DIR", check=_socket_dir(MAX_PLUGIN_DIR_BYTES),
     )  # fmt: skip
     host_root: str = _flag(
         "--host-root", "",
@@ -263,13 +236,13 @@ class Flags:
     kubelet_registry_path: str = _flag(
         "--kubelet-registry-path", "/var/lib/kubelet/plugins_registry",
         "with --mode=dra: kubelet's plugin registration directory; waited for if missing",
-        metavar="DIR", check=_kubelet_dir,
+        metavar="DIR", check=_socket_dir(MAX_KUBELET_DIR_BYTES),
     )  # fmt: skip
     kubelet_plugins_path: str = _flag(
         "--kubelet-plugins-path", "/var/lib/kubelet/plugins",
         "with --mode=dra: kubelet's plugin directory; the DRA socket and the checkpoint of "
         "prepared claims go in <DIR>/<driver-name>",
-        metavar="DIR", check=_kubelet_dir,
+        metavar="DIR", check=_socket_dir(MAX_KUBELET_DIR_BYTES),
     )  # fmt: skip
     kubeconfig: str = _flag(
         "--kubeconfig", "",
@@ -287,7 +260,7 @@ class Flags:
         "--v", 0,
         "log verbosity: 0 registrations and errors, 1 each Allocate and registration step, "
         "2 debug and gRPC internals",
-        metavar="LEVEL", check=_count_range(0, None),
+        metavar="LEVEL", check=_count_range(0),
     )  # fmt: skip
 
     def pcc_resource(self) -> ResourceSpec:
@@ -394,84 +367,3 @@ def version_text(verbosity: int) -> str:
         stack = ", ".join(f"{name} {version(name)}" for name in STACK)
         text += f" (Python {sys.version.split()[0]}; {stack})"
     return text
-
-
-@attrs.frozen
-class Served:
-    """What the daemon serves: its resources, the hash of the file they came from ("flags"
-    without one), and the mode."""
-
-    specs: list[ResourceSpec]
-    digest: str
-    mode: str
-
-
-def served_mode(config: Flags, file_mode: str | None = None) -> str:
-    """The mode: --mode, else the --config file's `mode` key, else the default."""
-    return config.mode or file_mode or DEFAULT_MODE
-
-
-def resources(config: Flags, prog: str) -> Served:
-    """What to serve: the file's resources with --config, else the PCC profile from the flags,
-    in the mode --mode or the file's `mode` key gives.
-
-    A bad file, two modes that disagree, or a DRA mode that cannot serve the resources is a
-    usage error: one line naming the flag or the file and key.
-    """
-    if not config.config:
-        served = Served([config.pcc_resource()], "flags", served_mode(config))
-    else:
-        # Imported only now: the YAML parser is not needed without --config.
-        from pcc_plugin import profiles
-
-        try:
-            specs, digest, file_mode = profiles.load(config.config)
-        except profiles.ProfileError as exc:
-            usage_error(prog, str(exc))
-        if config.mode and file_mode and config.mode != file_mode:
-            usage_error(
-                prog,
-                f"--mode: {config.mode} disagrees with mode {file_mode} in {config.config}; "
-                "give one of them",
-            )
-        served = Served(specs, digest, served_mode(config, file_mode))
-    if served.mode == "dra":
-        problem = dra_problem(config, served.specs)
-        if problem:
-            usage_error(prog, problem)
-    return served
-
-
-def dra_problem(config: Flags, specs: list[ResourceSpec]) -> str | None:
-    """Why --mode=dra cannot serve these flags and resources, starting with the flag or key."""
-    if not config.node_name:
-        return (
-            "--node-name: required with --mode=dra: the node's name is its ResourceSlices' pool "
-            "(the manifests pass spec.nodeName)"
-        )
-    for name in ("cdi", "pre_start_check"):
-        if getattr(config, name):
-            flag = name.replace("_", "-")
-            return f"--{flag}: not used with --mode=dra, which always hands devices over by CDI"
-    if len(specs) != 1:
-        return (
-            f"--config: {config.config} lists {len(specs)} resources; --mode=dra serves one "
-            "(one driver, one kind of device)"
-        )
-    (spec,) = specs
-    if spec.glob_nodes:
-        return f"--config: {spec.name}: --mode=dra serves no globbed devices"
-    if "." in spec.socket_prefix:
-        return (
-            f"--config: {spec.name}: socketPrefix {spec.socket_prefix!r} names the DRA devices "
-            "and must have no '.' (devices are DNS labels)"
-        )
-    long = [path for path in spec.host_paths() if len(path) > MAX_ATTRIBUTE_CHARS]
-    if long:
-        return (
-            f"--config: {spec.name}: host path {long[0]!r} is longer than the "
-            f"{MAX_ATTRIBUTE_CHARS} characters a ResourceSlice attribute holds"
-        )
-    from pcc_plugin.dra.driver import socket_path_problem
-
-    return socket_path_problem(config)

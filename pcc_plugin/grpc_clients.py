@@ -19,7 +19,6 @@ from pcc_plugin.bridge import call_asyncio
 if TYPE_CHECKING:
     from pcc_plugin._proto import pluginregistration
 
-Status = grpclib.const.Status
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -91,7 +90,7 @@ async def probe_unimplemented(socket_path: Path, method: str, deadline: float) -
     try:
         await _call(call, api.Empty(), timeout=deadline)
     except grpclib.exceptions.GRPCError as exc:
-        if exc.status is Status.UNIMPLEMENTED:
+        if exc.status is grpclib.const.Status.UNIMPLEMENTED:
             return None
         return f"answered {exc.status.name}: {exc.message}"
     except TimeoutError:
@@ -116,14 +115,15 @@ async def read_device_plugin(
     try:
         options = await _call(stub.get_device_plugin_options, api.Empty(), timeout=deadline)
         step = "ListAndWatch"
-        listing = await _call(_first_listing, channel, deadline)
+        listings: list[api.ListAndWatchResponse] = []
+        await _call(_list_and_watch, channel, listings, deadline)
     except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
         raise _call_failed(step, exc, deadline) from None
     finally:
         channel.close()
-    if listing is None:
+    if not listings:
         raise CallFailed("ListAndWatch ended without sending a device list")
-    return options, listing
+    return options, listings[0]
 
 
 async def read_plugin_info(socket_path: Path, deadline: float) -> pluginregistration.PluginInfo:
@@ -152,21 +152,6 @@ def _call_failed(step: str, exc: BaseException, deadline: float) -> CallFailed:
     return CallFailed(f"{step} failed: {exc}")
 
 
-async def _first_listing(
-    channel: grpclib.client.Channel, deadline: float
-) -> api.ListAndWatchResponse | None:
-    method = grpclib.client.UnaryStreamMethod(
-        channel, "/v1beta1.DevicePlugin/ListAndWatch", api.Empty, api.ListAndWatchResponse
-    )
-    async with method.open(timeout=deadline) as stream:
-        await stream.send_message(api.Empty(), end=True)
-        listing = await stream.recv_message()
-        if listing is not None:
-            # One list is all we read: end the stream now, not when the channel closes.
-            await stream.cancel()
-    return listing
-
-
 async def follow_list_and_watch(socket_path: Path) -> tuple[bool, str]:
     """Hold a ListAndWatch stream to the plugin at `socket_path` until it ends.
 
@@ -174,9 +159,9 @@ async def follow_list_and_watch(socket_path: Path) -> tuple[bool, str]:
     held stream ends the moment the serving process does, however it dies.
     """
     channel = _channel(socket_path)
-    received: list[bool] = []
+    received: list[api.ListAndWatchResponse] = []
     try:
-        await _call(_read_until_the_end, channel, received)
+        await _call(_list_and_watch, channel, received)
     except grpclib.exceptions.GRPCError as exc:
         return bool(received), f"its stream ended with {exc.status.name}"
     except _UNREACHABLE as exc:
@@ -190,11 +175,21 @@ async def follow_list_and_watch(socket_path: Path) -> tuple[bool, str]:
     return bool(received), "its stream ended"
 
 
-async def _read_until_the_end(channel: grpclib.client.Channel, received: list[bool]) -> None:
+async def _list_and_watch(
+    channel: grpclib.client.Channel,
+    received: list[api.ListAndWatchResponse],
+    first_within: float | None = None,
+) -> None:
+    """Keep the last device list of a ListAndWatch stream in `received` until the stream ends;
+    with `first_within` (seconds), end it after the first list (as soon as it came)."""
     method = grpclib.client.UnaryStreamMethod(
         channel, "/v1beta1.DevicePlugin/ListAndWatch", api.Empty, api.ListAndWatchResponse
     )
-    async with method.open() as stream:
+    async with method.open(timeout=first_within) as stream:
         await stream.send_message(api.Empty(), end=True)
-        while await stream.recv_message() is not None:
-            received[:] = [True]
+        while (listing := await stream.recv_message()) is not None:
+            received[:] = [listing]
+            if first_within is not None:
+                # One list is all that is read: end the stream now, not when the channel closes.
+                await stream.cancel()
+                return

@@ -17,16 +17,15 @@ Imported only when `--metrics-bind-address` is set.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import h11
 import trio
 
 from pcc_plugin import metrics
-from pcc_plugin.configuration import Configuration
 from pcc_plugin.connection_cap import ConnectionCap
 from pcc_plugin.klog import V1
-from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.state import DaemonState
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ _ENDED = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError)
 
 
 def answer(
-    path: str, plugins: Sequence[DevicePlugin], render_metrics: Callable[[], bytes]
+    path: str, daemon: DaemonState, render_metrics: Callable[[], bytes]
 ) -> tuple[int, str, bytes]:
     """Status, content type and body for GET `path`."""
     if path == "/metrics":
@@ -48,11 +47,7 @@ def answer(
         # cannot fix a slow kubelet, so nothing else belongs here.
         return 200, _TEXT, b"ok\n"
     if path == "/readyz":
-        reasons = [
-            f"{plugin.spec.name}: {reason}"
-            for plugin in plugins
-            if (reason := plugin.stats.not_ready_reason())
-        ]
+        reasons = daemon.not_ready()
         if reasons:
             return 503, _TEXT, ("\n".join(reasons) + "\n").encode()
         return 200, _TEXT, b"ok\n"
@@ -73,10 +68,8 @@ class _Exchange:
 
 
 class HttpServer:
-    def __init__(
-        self, plugins: Sequence[DevicePlugin], render_metrics: Callable[[], bytes]
-    ) -> None:
-        self._plugins = plugins
+    def __init__(self, daemon: DaemonState, render_metrics: Callable[[], bytes]) -> None:
+        self._daemon = daemon
         self._render_metrics = render_metrics
         self.cap: ConnectionCap[_Exchange] = ConnectionCap(MAX_CONNECTIONS, "HTTP connections", log)
         self.errors = 0
@@ -135,7 +128,7 @@ class HttpServer:
         if method not in ("GET", "HEAD"):
             await self._send(stream, connection, 405, _TEXT, b"only GET and HEAD\n")
             return
-        status, content_type, body = answer(path, self._plugins, self._render_metrics)
+        status, content_type, body = answer(path, self._daemon, self._render_metrics)
         await self._send(stream, connection, status, content_type, body, head_only=method == "HEAD")
 
     @staticmethod
@@ -160,10 +153,9 @@ class HttpServer:
         await stream.send_all(data)
 
 
-async def serve(
+async def serve_http(
     bind_address: str,
-    plugins: Sequence[DevicePlugin],
-    configuration: Configuration,
+    daemon: DaemonState,
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -185,7 +177,7 @@ async def serve(
         task_status.started([])
         return
     bound = [listener.socket.getsockname()[:2] for listener in listeners]
-    server = HttpServer(plugins, lambda: metrics.render(plugins, configuration))
+    server = HttpServer(daemon, lambda: metrics.render(daemon))
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, server.handle, listeners)
         task_status.started(bound)

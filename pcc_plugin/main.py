@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
         cli.main(argv[1:])
 
-    from pcc_plugin import flags, klog
+    from pcc_plugin import configuration, flags, klog
     from pcc_plugin.resource import pcc_start_problem
 
     config, wants_version = flags.parse(argv, flags.PROG, DESCRIPTION, EPILOG)
@@ -57,7 +57,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         print(flags.version_text(config.verbosity))
         sys.exit(0)
     klog.configure(config.verbosity)
-    served = flags.resources(config, flags.PROG)
+    try:
+        served = configuration.read(config)
+    except configuration.ConfigError as exc:
+        flags.usage_error(flags.PROG, str(exc))
     if not config.config:
         problem = pcc_start_problem(served.specs[0], config.host_root)
         if problem:
@@ -71,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     settle_after_imports()
     fatal: list[BaseException] = []
     try:
-        bridge.run(supervisor.run, config, served)
+        bridge.run(supervisor.run_daemon, config, served)
     except* FatalError as group:
         fatal = _leaves(group)
     # Outside the except* block: Python before 3.11.4 (Debian 12's 3.11.2, the image's) wraps an

@@ -16,8 +16,7 @@ import resource
 from collections.abc import Iterable, Sequence
 
 from pcc_plugin import __version__
-from pcc_plugin.configuration import Configuration
-from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.state import DaemonState
 
 Labels = Sequence[tuple[str, str]]
 Sample = tuple[Labels, float]
@@ -91,9 +90,8 @@ def process_families() -> list[str]:
     ]  # fmt: skip
 
 
-def render(plugins: Sequence[DevicePlugin], configuration: Configuration) -> bytes:
-    """Every family, read now from the plugins' counters and the configuration."""
-    resources = [(plugin.spec.name, plugin.stats) for plugin in plugins]
+def render(daemon: DaemonState) -> bytes:
+    """Every family, read now from the daemon's state."""
     families = [
         *process_families(),
         family("pcc_device_plugin_build_info", "gauge", "Build information.",
@@ -101,52 +99,52 @@ def render(plugins: Sequence[DevicePlugin], configuration: Configuration) -> byt
         family(
             "pcc_device_plugin_config_info", "gauge",
             "The running configuration: its file (or 'flags') and the hash of its bytes.",
-            [((("source", str(configuration.path or "flags")), ("hash", configuration.digest)),
+            [((("source", str(daemon.path or "flags")), ("hash", daemon.digest)),
               1)],
         ),
         family("pcc_device_plugin_config_generation", "gauge",
                "Configurations applied: 1 at start, one more per successful reload.",
-               [((), configuration.generation)]),
+               [((), daemon.generation)]),
         family("pcc_device_plugin_config_last_reload_successful", "gauge",
                "0 when the last reload was refused (the file was invalid), else 1.",
-               [((), 0 if configuration.last_reload_failed else 1)]),
+               [((), 0 if daemon.last_reload_failed else 1)]),
         family("pcc_device_plugin_registrations", "counter",
                "Successful registrations with kubelet, by what caused them.",
-               [((("resource", name), ("cause", cause)), count)
-                for name, stats in resources
-                for cause, count in sorted(stats.registrations.items())]),
+               [((("resource", each.name), ("cause", cause)), count)
+                for each in daemon.resources
+                for cause, count in sorted(each.registrations.items())]),
         family("pcc_device_plugin_kubelet_restarts", "counter", "Kubelet restarts seen.",
-               [((("resource", name),), stats.kubelet_restarts) for name, stats in resources]),
+               [((("resource", each.name),), each.kubelet_restarts) for each in daemon.resources]),
         family("pcc_device_plugin_backoff_seconds", "counter",
                "Time waited before serving again after the plugin's own faults (never after a "
                "kubelet restart).",
-               [((("resource", name),), stats.backoff_seconds) for name, stats in resources]),
+               [((("resource", each.name),), each.backoff_seconds) for each in daemon.resources]),
         family("pcc_device_plugin_allocations", "counter", "Allocate calls, by result.",
-               [((("resource", name), ("result", result)), stats.allocations[result])
-                for name, stats in resources
+               [((("resource", each.name), ("result", result)), each.allocations[result])
+                for each in daemon.resources
                 for result in ("ok", "invalid", "unavailable")]),
         family("pcc_device_plugin_dra_claims", "counter",
                "--mode=dra: claims answered by NodePrepareResources and NodeUnprepareResources, "
                "by call and result.",
-               [((("resource", name), ("call", call), ("result", result)), counter[result])
-                for name, stats in resources
-                for call, counter in (("prepare", stats.prepares),
-                                      ("unprepare", stats.unprepares))
+               [((("resource", each.name), ("call", call), ("result", result)), counter[result])
+                for each in daemon.resources
+                for call, counter in (("prepare", each.prepares),
+                                      ("unprepare", each.unprepares))
                 for result in ("ok", "failed")]),
         family("pcc_device_plugin_devices", "gauge", "Advertised devices, by health.",
-               [sample for name, stats in resources for sample in (
-                   ((("resource", name), ("health", "Healthy")), stats.healthy_devices),
-                   ((("resource", name), ("health", "Unhealthy")), stats.unhealthy_devices))]),
+               [sample for each in daemon.resources for sample in (
+                   ((("resource", each.name), ("health", "Healthy")), each.healthy_devices),
+                   ((("resource", each.name), ("health", "Unhealthy")), each.unhealthy_devices))]),
         family("pcc_device_plugin_list_and_watch_streams", "gauge", "Open ListAndWatch streams.",
-               [((("resource", name),), stats.streams_open) for name, stats in resources]),
+               [((("resource", each.name),), each.streams_open) for each in daemon.resources]),
         family("pcc_device_plugin_handler_errors", "counter",
                "Unexpected errors in gRPC handlers and connections (bugs), by where.",
-               [((("resource", name), ("where", where)), count)
-                for name, stats in resources
-                for where, count in sorted(stats.handler_errors.items())]),
+               [((("resource", each.name), ("where", where)), count)
+                for each in daemon.resources
+                for where, count in sorted(each.handler_errors.items())]),
         family("pcc_device_plugin_ready", "gauge",
                "1 when registered with the current kubelet and its ListAndWatch stream is open.",
-               [((("resource", name),), 0 if stats.not_ready_reason() else 1)
-                for name, stats in resources]),
+               [((("resource", each.name),), 0 if each.not_ready_reason() else 1)
+                for each in daemon.resources]),
     ]  # fmt: skip
     return "".join(families).encode()

@@ -1,223 +1,72 @@
-"""One resource as kubelet sees it: its device list, kept in step with the node, and its answers."""
+"""The device-plugin mode on the shared skeleton (generations.py): one resource's generation.
+
+Each generation serves a fresh socket name in kubelet's device-plugin directory,
+`pcc-<pid>-<random>-<n>.sock` (bound under a temporary name and renamed into place once
+listening), watches the directory, follows the newer instances of its resource (rollout.py),
+and registers once it serves. Its answers are service.DevicePlugin's.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import attrs
 import trio
 
+from pcc_plugin import grpc_server
 from pcc_plugin._proto import v1beta1 as api
-from pcc_plugin.flags import DEFAULT_INSTANCE_NAME
-from pcc_plugin.klog import V1
-from pcc_plugin.resource import Device, DeviceNode, Grant, ResourceSpec, grant, take_inventory
-from pcc_plugin.sensitive import OPT_IN, opted_in
-from pcc_plugin.stats import ResourceStats
-
-log = logging.getLogger(__name__)
-
-HEALTHY = "Healthy"
-UNHEALTHY = "Unhealthy"
+from pcc_plugin.flags import Flags
+from pcc_plugin.generations import Backoff, Generation, serve_generations
+from pcc_plugin.inventory import watch_health
+from pcc_plugin.plugin_dir import SocketNames, own_sockets, remove_stale_sockets, watch_plugin_dir
+from pcc_plugin.registration import API_VERSION, Kubelet, KubeletLink, reregister_when_stream_ends
+from pcc_plugin.rollout import Followers
+from pcc_plugin.service import DevicePlugin
 
 
-class RequestError(ValueError):
-    """A request that names no device or unknown ones: INVALID_ARGUMENT."""
+class DevicePluginMode:
+    """One resource served to kubelet's device manager."""
 
+    server = "the device plugin server"
 
-class DeviceUnavailable(RuntimeError):
-    """The device or a mount source is gone: FAILED_PRECONDITION, with the reason."""
+    def __init__(self, config: Flags, plugin: DevicePlugin) -> None:
+        self.plugin = plugin
+        self.state = plugin.state
+        self.directory = Path(config.device_plugin_path)
+        self._names = SocketNames(plugin.spec.socket_prefix)
+        self._kubelet = Kubelet(plugin.state)
 
+    async def serve(self, bug_backoff: Backoff) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch_health, self.plugin.inventory)
+            nursery.start_soon(serve_generations, self, bug_backoff)
 
-def encode_listing(devices: tuple[Device, ...]) -> bytes:
-    """The full device list, encoded once and shared by every ListAndWatch stream."""
-    return bytes(
-        api.ListAndWatchResponse(
-            devices=[
-                api.Device(id=device.id, health=HEALTHY if device.healthy else UNHEALTHY)
-                for device in devices
-            ]
+    async def serve_generation(self, generation: Generation) -> None:
+        """Serve on a fresh socket, watch the directory, and register."""
+        spec, plugin_dir, nursery = self.plugin.spec, self.directory, generation.nursery
+        endpoint = next(self._names)
+        self.state.waiting("registering with kubelet")
+        link = KubeletLink(self.state)
+        server = grpc_server.Server(
+            self.plugin.methods(link), self.state.handler_failed, link.connection_closed
         )
-    )
-
-
-class DeviceFeed:
-    """The current encoded device list, and a wake-up for every stream when it changes.
-
-    Streams wait on the asyncio side (they are gRPC handlers); `publish` is
-    called from trio or asyncio code alike, on the one thread.
-    """
-
-    def __init__(self, payload: bytes) -> None:
-        self._payload = payload
-        self._version = 0
-        self._changed = asyncio.Event()
-
-    def publish(self, payload: bytes) -> None:
-        self._payload = payload
-        self._version += 1
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def stream(self, send: Callable[[bytes], Awaitable[None]]) -> None:
-        """Send the list now and again after every change, until cancelled."""
-        sent_version = None
-        while True:
-            if sent_version != self._version:
-                sent_version = self._version
-                await send(self._payload)
-            else:
-                await self._changed.wait()
-
-
-def _describe(devices: tuple[Device, ...]) -> str:
-    problems = sorted({device.problem for device in devices if device.problem})
-    unhealthy = sum(1 for device in devices if device.problem)
-    if not unhealthy:
-        return f"all {len(devices)} devices Healthy"
-    if unhealthy == len(devices) and len(problems) == 1:
-        return f"every device is Unhealthy: {problems[0]}"
-    return f"{unhealthy} of {len(devices)} devices Unhealthy: {'; '.join(problems)}"
-
-
-class DevicePlugin:
-    """One resource's answers to kubelet, kept in step with the node by `refresh`."""
-
-    def __init__(
-        self,
-        spec: ResourceSpec,
-        host_root: str,
-        stats: ResourceStats,
-        *,
-        pre_start_check: bool = False,
-        cdi_spec_dir: Path | None = None,
-        instance_name: str = DEFAULT_INSTANCE_NAME,
-    ) -> None:
-        self.spec = spec
-        self.stats = stats
-        self._host_root = host_root
-        self._pre_start_check = pre_start_check
-        self._cdi_spec_dir = cdi_spec_dir
-        self._instance_name = instance_name
-        # Why the spec is not in place (then Allocate names no CDI device), or None.
-        self._cdi_problem: str | None = None
-        self._seen: dict[str, DeviceNode] = {}
-        self.devices: tuple[Device, ...] = ()
-        self._by_id: dict[str, Device] = {}
-        # In UTF-8 bytes: a request's longer ID names no device and is refused unread.
-        self.longest_id = 0
-        self.feed = DeviceFeed(b"")
-        # Set, and replaced, at each change of the devices: what trio code waits on.
-        self._changed = trio.Event()
-        for hazard in opted_in(spec):
-            log.warning("%s: %s; containers get it: its entry sets %s", spec.name, hazard, OPT_IN)
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Look at the node again; on any change publish the whole list and say why."""
-        devices = take_inventory(self.spec, self._host_root, self._seen)
-        if devices == self.devices:
-            return
-        before = _describe(self.devices) if self.devices else None
-        self.devices = devices
-        self._by_id = {device.id: device for device in devices}
-        self.longest_id = max((len(device.id.encode()) for device in devices), default=0)
-        unhealthy = sum(1 for device in devices if device.problem)
-        self.stats.unhealthy_devices = unhealthy
-        self.stats.healthy_devices = len(devices) - unhealthy
-        now = _describe(devices)
-        if now != before:
-            level = logging.WARNING if unhealthy else logging.INFO
-            log.log(level, "%s: %s", self.spec.name, now)
-        self.feed.publish(encode_listing(devices))
-        self._changed.set()
-        self._changed = trio.Event()
-        if self._cdi_spec_dir is not None:
-            from pcc_plugin import cdi
-
-            problem = cdi.write_spec(self._cdi_spec_dir, self.spec, devices, self._instance_name)
-            if problem and problem != self._cdi_problem:
-                log.error("%s", problem)
-            self._cdi_problem = problem
-
-    def next_change(self) -> trio.Event:
-        """Set at the next change of the devices."""
-        return self._changed
-
-    def options(self) -> api.DevicePluginOptions:
-        # Shares of one device are alike: there is no preference to give.
-        return api.DevicePluginOptions(
-            pre_start_required=self._pre_start_check, get_preferred_allocation_available=False
+        remove_stale_sockets(
+            own_sockets(plugin_dir, spec.socket_prefix, endpoint), self._names.stem
         )
-
-    def _devices_named(self, where: str, ids: list[str]) -> list[Device]:
-        if not ids:
-            raise RequestError(f"{where} names no device IDs")
-        unknown = sorted(set(ids) - self._by_id.keys())
-        if unknown:
-            # Quoted short: the details travel in a gRPC trailer, which clients cap at 8 KiB.
-            shown = ", ".join(
-                repr(device_id if len(device_id) <= 64 else device_id[:64] + "...")
-                for device_id in unknown[:5]
-            )
-            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-            known = f"{self.devices[0].id} to {self.devices[-1].id}" if self.devices else "none"
-            raise RequestError(
-                f"{where} names unknown device IDs {shown}{more}; {self.spec.name} has {known}"
-            )
-        return [self._by_id[device_id] for device_id in ids]
-
-    def allocate(self, containers: list[list[str]]) -> list[Grant]:
-        """What each container of one Allocate call gets, by its device IDs."""
-        try:
-            if not containers:
-                raise RequestError("AllocateRequest has no container requests")
-            allocated = [
-                self._devices_named(f"container request {index}", ids)
-                for index, ids in enumerate(containers)
-            ]
-            for devices in allocated:
-                for device in devices:
-                    if device.problem:
-                        raise DeviceUnavailable(
-                            f"{self.spec.name} device {device.id} is unhealthy: {device.problem}"
-                        )
-        except RequestError:
-            self.stats.allocations["invalid"] += 1
-            raise
-        except DeviceUnavailable:
-            self.stats.allocations["unavailable"] += 1
-            raise
-        self.stats.allocations["ok"] += 1
-        grants = [self._grant(devices) for devices in allocated]
-        if log.isEnabledFor(V1):
-            log.log(
-                V1,
-                "Allocate %s: %s -> %s",
-                self.spec.name,
-                containers,
-                [[node.host_path for node in given.device_nodes] for given in grants],
-            )
-        return grants
-
-    def _grant(self, devices: list[Device]) -> Grant:
-        given = grant(self.spec, devices)
-        # A runtime fails a container whose CDI device no spec names.
-        if self._cdi_spec_dir is None or self._cdi_problem:
-            return given
-        from pcc_plugin import cdi
-
-        return attrs.evolve(given, cdi_devices=tuple(cdi.qualified_names(self.spec, devices)))
-
-    def pre_start_container(self, device_ids: list[str]) -> None:
-        """Check, before a container starts, that its devices are still there (if asked to)."""
-        devices = self._devices_named("PreStartContainerRequest", device_ids)
-        if self._pre_start_check:
-            # One fresh look at the node; each device's problem includes the shared ones.
-            self.refresh()
-            for device in devices:
-                problem = self._by_id[device.id].problem
-                if problem:
-                    raise DeviceUnavailable(f"cannot start the container: {problem}")
+        listener, own = grpc_server.bind(plugin_dir / endpoint)
+        # grpc_server.serve owns the listener from here, and closes it however it ends.
+        await nursery.start(grpc_server.serve, server, listener, plugin_dir / endpoint, own)
+        followers = Followers(
+            nursery, plugin_dir, spec.socket_prefix, self._names.stem, link, generation.restart
+        )
+        await nursery.start(
+            watch_plugin_dir, generation.inotify, plugin_dir, endpoint, own, generation.restart,
+            followers.appeared,
+        )  # fmt: skip
+        request = api.RegisterRequest(
+            version=API_VERSION,
+            endpoint=endpoint,
+            resource_name=spec.name,
+            options=self.plugin.options,
+        )
+        nursery.start_soon(self._kubelet.register, plugin_dir, request, link, generation.cause)
+        nursery.start_soon(reregister_when_stream_ends, plugin_dir, link, generation.restart)

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import trio
@@ -69,21 +69,30 @@ def accepts_connections(path: Path) -> bool:
     return not isinstance(connect_error(path), ConnectionRefusedError | FileNotFoundError)
 
 
-def remove_stale_sockets(plugin_dir: Path, prefix: str, keep: str) -> None:
-    """Remove sockets of this naming that nothing serves any more."""
-    this_process = process_stem(prefix) + "-"
-    for entry in os.scandir(plugin_dir):
-        if entry.name == keep or not is_own_socket(prefix, entry.name):
-            continue
-        path = plugin_dir / entry.name
-        if not stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+def own_sockets(plugin_dir: Path, prefix: str, keep: str) -> list[Path]:
+    """The sockets of this naming in `plugin_dir`, of any instance, but `keep`."""
+    return [
+        plugin_dir / entry.name
+        for entry in os.scandir(plugin_dir)
+        if entry.name != keep and is_own_socket(prefix, entry.name)
+    ]
+
+
+def remove_stale_sockets(paths: Iterable[Path], stem: str = "") -> None:
+    """Remove each of `paths` that is a socket nothing serves any more (its instance was
+    killed); leave those that are served, by another instance or, named `<stem>-...`, by this
+    one's previous run (a reload restarted the resource: it removes its socket as it stops)."""
+    for path in paths:
+        try:
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                continue
+        except FileNotFoundError:
             continue
         if accepts_connections(path):
-            if entry.name.startswith(this_process):
-                # A reload restarted the resource: its previous run removes it as it stops.
-                log.log(V1, "Leaving %s: this instance's previous socket, closing", path)
-            else:
-                log.log(V1, "Leaving %s: another instance serves it", path)
+            mine = stem and path.name.startswith(stem + "-")
+            log.log(V1, "Leaving %s: %s", path,
+                    "this instance's previous socket, closing" if mine
+                    else "another instance serves it")  # fmt: skip
             continue
         try:
             os.unlink(path)

@@ -200,7 +200,7 @@ def load(path: str) -> Profile:
     It reads the file and nothing else, and changes nothing: a reload may call it.
     """
     try:
-        document = yaml_input.load(path)
+        document = yaml_input.read_document(path)
     except yaml_input.InputError as exc:
         raise ProfileError(str(exc)) from None
     try:

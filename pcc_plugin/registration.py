@@ -1,16 +1,12 @@
 """Registering with kubelet, and noticing when kubelet stops listening to us.
 
 Kubelet never redials a plugin and never reconnects a stream, so both are
-our job: `register_with_kubelet` retries until kubelet accepts, and
-`reregister_when_stream_ends` restarts the generation when kubelet's
-ListAndWatch stream ends.
-
-A kubelet restart, or kubelet ending the stream while it still listens, is
-answered at once, however often it comes: only the plugin's own faults (a
-refused Register, a socket it cannot serve) wait, `RETRY_FIRST` doubling to
-`RETRY_CAP`, and only when they come back to back. A kubelet that is
-stopping still listens for a moment after it ended the stream; a Register it
-refuses then is retried, and the new kubelet.sock starts a generation at once.
+our job: `Kubelet.register` retries until kubelet accepts (generations.Backoff),
+and `reregister_when_stream_ends` restarts the generation when kubelet's
+ListAndWatch stream ends, at once, however often (generations.py has the rules).
+A kubelet that is stopping still listens for a moment after it ended the stream;
+a Register it refuses then is retried, and the new kubelet.sock starts a
+generation at once.
 
 A kubelet restart is routine: while kubelet is unreachable, retries are
 `--v=1` lines; only after `UNREACHABLE_GRACE` does an error line say so (then
@@ -20,7 +16,6 @@ at most once per `UNREACHABLE_REPEAT`), and one info line says when it is back.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
@@ -31,9 +26,10 @@ import trio
 from pcc_plugin import grpc_clients
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.fs import Identity, identity, is_socket
+from pcc_plugin.generations import Backoff, Outage
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import KUBELET_RESTARTED, KUBELET_SOCKET, accepts_connections
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +38,9 @@ API_VERSION = "v1beta1"
 REGISTER_TIMEOUT = 15.0
 UNREACHABLE_GRACE = 30.0
 UNREACHABLE_REPEAT = 60.0
-# Registered with kubelet's stream open this long: the faults before are forgotten.
-STABLE_AFTER = 10.0
-# The wait after a fault, doubling (with jitter) for each one back to back.
-RETRY_FIRST = 0.02
-RETRY_CAP = 5.0
 STREAM_ENDED = "kubelet's ListAndWatch stream ended"
 
 Register = Callable[[Path, api.RegisterRequest, float], Awaitable[None]]
-
-
-@attrs.define
-class Backoff:
-    """Capped exponential backoff with jitter, so plugins do not retry in step.
-
-    The first delay is 0 when `immediate_first`: an isolated fault is acted on
-    at once, and only faults back to back wait. `reset` forgets them.
-    """
-
-    first: float = RETRY_FIRST
-    cap: float = RETRY_CAP
-    immediate_first: bool = False
-    rng: random.Random = attrs.Factory(random.Random)
-    attempt: int = 0
-
-    def next_delay(self) -> float:
-        attempt = self.attempt
-        self.attempt += 1
-        if self.immediate_first:
-            if attempt == 0:
-                return 0.0
-            attempt -= 1
-        ceiling = min(self.cap, self.first * 2.0**attempt)
-        jitter: float = self.rng.uniform(0.5, 1.0)
-        return ceiling * jitter
-
-    def reset(self) -> None:
-        self.attempt = 0
 
 
 @attrs.define(eq=False)
@@ -95,9 +57,8 @@ class KubeletLink:
     it is opened.
     """
 
-    stats: ResourceStats
+    state: ResourceState
     ended: trio.Event = attrs.Factory(trio.Event)
-    stream_opened_event: trio.Event = attrs.Factory(trio.Event)
     register: Literal["not sent", "in flight", "answered"] = "not sent"
     connection: object | None = None
     chosen_in_flight: bool = False
@@ -120,16 +81,12 @@ class KubeletLink:
         self.stream_claimed |= is_kubelet
         log.log(V1, "ListAndWatch stream opened on %s%s",
                 connection, " (kubelet's)" if is_kubelet else "")  # fmt: skip
-        self.stats.streams_open += 1
-        if is_kubelet:
-            self.stats.kubelet_stream_open = True
-            self.stream_opened_event.set()
+        self.state.stream_opened(is_kubelet)
         return is_kubelet
 
     def stream_closed(self, is_kubelet: bool) -> None:
-        self.stats.streams_open -= 1
+        self.state.stream_closed(is_kubelet)
         if is_kubelet:
-            self.stats.kubelet_stream_open = False
             self.ended.set()
 
     def connection_closed(self, connection: object) -> None:
@@ -139,93 +96,80 @@ class KubeletLink:
             self.ended.set()
 
 
-@attrs.define
-class Reachability:
-    """Whether kubelet answers, across generations: says so once it matters, not each retry."""
+def kubelet_outage() -> Outage:
+    return Outage(
+        log,
+        quiet="Kubelet is not reachable yet, retrying: {problem}",
+        loud="Kubelet has been unreachable for {seconds:.0f} s, retrying: {problem}",
+        back="Kubelet is reachable again after {seconds:.0f} s",
+        grace=UNREACHABLE_GRACE,
+        repeat=UNREACHABLE_REPEAT,
+    )
 
-    down_since: float | None = None
-    reported_at: float | None = None
 
-    def unreachable(self, reason: str) -> None:
-        now = trio.current_time()
-        if self.down_since is None:
-            self.down_since = now
-        down_for = now - self.down_since
-        if down_for < UNREACHABLE_GRACE:
-            log.log(V1, "Kubelet is not reachable yet, retrying: %s", reason)
+@attrs.define(eq=False)
+class Kubelet:
+    """Kubelet's Registration service as one resource knows it across generations: the
+    kubelet.sock it last registered with, and whether kubelet answers. `call` is the Register
+    call (a fake kubelet's in unit tests)."""
+
+    state: ResourceState
+    call: Register = grpc_clients.register
+    registered_with: Identity | None = None
+    outage: Outage = attrs.Factory(kubelet_outage)
+
+    async def register(
+        self, plugin_dir: Path, request: api.RegisterRequest, link: KubeletLink, cause: str
+    ) -> None:
+        """Register until kubelet accepts, logging each distinct refusal once.
+
+        A registration is counted as a kubelet restart when this generation began because
+        kubelet.sock was created anew, or, whatever began it (our socket deleted, the stream's
+        end), when kubelet.sock is another than the last one.
+        """
+        backoff = Backoff()
+        kubelet_socket = plugin_dir / KUBELET_SOCKET
+        reported: set[str] = set()
+        while True:
+            if not is_socket(kubelet_socket):
+                what = "is not a socket" if kubelet_socket.exists() else "does not exist"
+                self.state.waiting(f"waiting for kubelet: {kubelet_socket} {what}")
+                log.info("Waiting for kubelet: %s %s yet", kubelet_socket, what)
+                # The watcher restarts this generation when kubelet creates it.
+                await trio.sleep_forever()
+            log.log(V1, "Registering %s at %s with endpoint %s",
+                    request.resource_name, kubelet_socket, request.endpoint)  # fmt: skip
+            kubelet = link.kubelet = identity(kubelet_socket)
+            link.register = "in flight"
+            try:
+                await self.call(kubelet_socket, request, REGISTER_TIMEOUT)
+            except grpc_clients.RegisterFailed as exc:
+                self.state.waiting(f"registration failed: {exc}")
+                if isinstance(exc, grpc_clients.Unreachable):
+                    self.outage.failed(str(exc))
+                else:
+                    self.outage.over()
+                    if str(exc) not in reported:
+                        reported.add(str(exc))
+                        log.error("Registration with kubelet failed, retrying: %s", exc)
+                await trio.sleep(backoff.next_delay())
+                continue
+            finally:
+                link.register = "answered"
+            self.outage.over()
+            log.info("Registered device plugin with Kubelet: resource %s, endpoint %s",
+                     request.resource_name, request.endpoint)  # fmt: skip
+            # The watcher saw kubelet.sock created (KUBELET_RESTARTED), or the socket differs
+            # from the last one registered with: one restart either way, even when a quick
+            # restart left a kubelet.sock with the old one's inode and change time.
+            if self.registered_with is not None and (
+                cause == KUBELET_RESTARTED or kubelet != self.registered_with
+            ):
+                self.state.kubelet_restarted()
+                cause = KUBELET_RESTARTED
+            self.registered_with = kubelet
+            self.state.registered_with_kubelet(cause)
             return
-        if self.reported_at is None or now - self.reported_at >= UNREACHABLE_REPEAT:
-            self.reported_at = now
-            log.error("Kubelet has been unreachable for %.0f s, retrying: %s", down_for, reason)
-
-    def reachable(self) -> None:
-        if self.down_since is not None and self.reported_at is not None:
-            log.info(
-                "Kubelet is reachable again after %.0f s", trio.current_time() - self.down_since
-            )
-        self.down_since = self.reported_at = None
-
-
-async def register_with_kubelet(
-    plugin_dir: Path,
-    request: api.RegisterRequest,
-    stats: ResourceStats,
-    cause: str,
-    link: KubeletLink,
-    reachability: Reachability,
-    register: Register = grpc_clients.register,
-    backoff: Backoff | None = None,
-) -> None:
-    """Register until kubelet accepts, logging each distinct refusal once.
-
-    A registration is counted as a kubelet restart when this generation began
-    because kubelet.sock was created anew, or, whatever began it (our socket
-    deleted, the stream's end), when kubelet.sock is another than the last one.
-    """
-    backoff = backoff or Backoff()
-    kubelet_socket = plugin_dir / KUBELET_SOCKET
-    reported: set[str] = set()
-    while True:
-        if not is_socket(kubelet_socket):
-            what = "is not a socket" if kubelet_socket.exists() else "does not exist"
-            stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
-            log.info("Waiting for kubelet: %s %s yet", kubelet_socket, what)
-            # The watcher restarts this generation when kubelet creates it.
-            await trio.sleep_forever()
-        log.log(V1, "Registering %s at %s with endpoint %s",
-                request.resource_name, kubelet_socket, request.endpoint)  # fmt: skip
-        kubelet = link.kubelet = identity(kubelet_socket)
-        link.register = "in flight"
-        try:
-            await register(kubelet_socket, request, REGISTER_TIMEOUT)
-        except grpc_clients.Unreachable as exc:
-            stats.waiting_for = f"registration failed: {exc}"
-            reachability.unreachable(str(exc))
-            await trio.sleep(backoff.next_delay())
-            continue
-        except grpc_clients.RegisterFailed as exc:
-            reachability.reachable()
-            stats.waiting_for = f"registration failed: {exc}"
-            if str(exc) not in reported:
-                reported.add(str(exc))
-                log.error("Registration with kubelet failed, retrying: %s", exc)
-            await trio.sleep(backoff.next_delay())
-            continue
-        finally:
-            link.register = "answered"
-        reachability.reachable()
-        log.info("Registered device plugin with Kubelet: resource %s, endpoint %s",
-                 request.resource_name, request.endpoint)  # fmt: skip
-        # The watcher saw kubelet.sock created (KUBELET_RESTARTED), or the socket differs from
-        # the last one registered with: one restart either way, even when a quick restart left
-        # a kubelet.sock with the old one's inode and change time.
-        if stats.kubelet is not None and (cause == KUBELET_RESTARTED or kubelet != stats.kubelet):
-            stats.kubelet_restarts += 1
-            cause = KUBELET_RESTARTED
-        stats.kubelet = kubelet
-        stats.registered = True
-        stats.registrations[cause] += 1
-        return
 
 
 async def reregister_when_stream_ends(
@@ -245,8 +189,7 @@ async def reregister_when_stream_ends(
         what = "takes no connections" if kubelet_socket.exists() else "does not exist"
         log.info("Waiting for kubelet: its ListAndWatch stream ended and %s %s",
                  kubelet_socket, what)  # fmt: skip
-        link.stats.registered = False
-        link.stats.waiting_for = f"waiting for kubelet: {kubelet_socket} {what}"
+        link.state.waiting(f"waiting for kubelet: {kubelet_socket} {what}")
         await trio.sleep_forever()
     if identity(kubelet_socket) != link.kubelet:
         log.info("kubelet's ListAndWatch stream ended and %s is new: registering again",
@@ -256,12 +199,3 @@ async def reregister_when_stream_ends(
     # A kubelet that is stopping ends the stream before it stops listening: routine.
     log.info("kubelet's ListAndWatch stream ended; registering again")
     restart(STREAM_ENDED)
-
-
-async def forget_faults_when_stable(link: KubeletLink, *backoffs: Backoff) -> None:
-    """Once kubelet's stream has been open for STABLE_AFTER, earlier faults are forgotten."""
-    await link.stream_opened_event.wait()
-    await trio.sleep(STABLE_AFTER)
-    if not link.ended.is_set():
-        for backoff in backoffs:
-            backoff.reset()

@@ -55,7 +55,7 @@ def resource_name_problem(name: str) -> str | None:
 
 DeviceType = Literal["char", "block"]
 _DEVICE_TEST = {"char": stat.S_ISCHR, "block": stat.S_ISBLK}
-_DEVICE_WORDS = {"char": "a character device", "block": "a block device"}
+DEVICE_WORDS: dict[DeviceType, str] = {"char": "a character device", "block": "a block device"}
 
 
 @attrs.frozen
@@ -150,7 +150,7 @@ def _device_problem(path: str, device_type: DeviceType) -> str | None:
     except OSError as exc:
         return f"detect device {path} failed: {exc.strerror}"
     if not _DEVICE_TEST[device_type](mode):
-        return f"detect device {path} failed: not {_DEVICE_WORDS[device_type]}"
+        return f"detect device {path} failed: not {DEVICE_WORDS[device_type]}"
     return None
 
 

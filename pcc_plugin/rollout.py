@@ -19,9 +19,10 @@ from pathlib import Path
 import trio
 
 from pcc_plugin import grpc_clients
+from pcc_plugin.generations import Backoff
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import accepts_connections, is_own_socket
-from pcc_plugin.registration import Backoff, KubeletLink
+from pcc_plugin.registration import KubeletLink
 
 log = logging.getLogger(__name__)
 

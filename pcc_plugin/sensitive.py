@@ -56,7 +56,7 @@ def normalised(path: str) -> str:
     return "/" + posixpath.normpath(path).lstrip("/")
 
 
-def _is_within(path: str, directory: str) -> bool:
+def is_within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
@@ -65,9 +65,9 @@ def mount_hazard(host_path: str) -> str | None:
     for protected, what in _DIRECTORIES.items():
         if host_path == protected:
             return f"{host_path} is {what}"
-        if protected != "/" and _is_within(host_path, protected):
+        if protected != "/" and is_within(host_path, protected):
             return f"{host_path} is inside {protected} ({what})"
-        if _is_within(protected, host_path):
+        if is_within(protected, host_path):
             return f"{host_path} holds {protected} ({what})"
     return None
 

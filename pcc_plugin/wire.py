@@ -17,6 +17,9 @@ import enum
 from collections.abc import Iterator, Mapping
 from typing import Union
 
+import grpclib.const
+import grpclib.exceptions
+
 
 class WireError(ValueError):
     """Bytes that are not a well-formed message of the expected type; says where."""
@@ -148,6 +151,16 @@ def check(data: bytes, schema: Schema, start: int = 0, end: int | None = None) -
         else:
             check(data, kind, pos, pos + size)
         pos += size
+
+
+def check_request(data: bytes, schema: Schema, name: str) -> None:
+    """`check`, failing as the gRPC answer INVALID_ARGUMENT, which names the message."""
+    try:
+        check(data, schema)
+    except WireError as exc:
+        raise grpclib.exceptions.GRPCError(
+            grpclib.const.Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}"
+        ) from None
 
 
 def _values_of_field_1(data: bytes, start: int, end: int, name: str) -> Iterator[tuple[int, int]]:

@@ -67,7 +67,7 @@ def shown_value(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def load(path: str) -> Document:
+def read_document(path: str) -> Document:
     """The file's one YAML document as Python values, or InputError."""
     data = _read(path)
     text = _decoded(path, data)

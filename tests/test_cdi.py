@@ -15,10 +15,10 @@ from daemon_support import log_line, serving
 
 from pcc_plugin import cdi
 from pcc_plugin.flags import Flags
-from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.resource import DeviceNode, ResourceSpec
+from pcc_plugin.service import DevicePlugin
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 # The parts of CDI spec 0.6.0 this plugin writes, from the specification's text:
 # names, kinds and edits that runtimes reject otherwise.
@@ -87,7 +87,9 @@ CDI_0_6_SCHEMA: dict[str, Any] = {
 
 def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     cdi_dir = tmp_path / "cdi"
-    plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=cdi_dir)
+    plugin = DevicePlugin(
+        Flags().pcc_resource(), str(host), ResourceState("x"), cdi_spec_dir=cdi_dir
+    )
     path = cdi_dir / "tke.cloud.tencent.com-pcc-device.json"
     spec = json.loads(path.read_text())
     jsonschema.validate(spec, CDI_0_6_SCHEMA)
@@ -119,7 +121,7 @@ def test_pcc_spec_contents_and_shape(host: Path, tmp_path: Path) -> None:
     }
     assert path.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in cdi_dir.iterdir()] == [path.name]  # no temporary file left
-    (container,) = plugin.allocate([["pcc-0", "pcc-1"]])
+    (container,) = plugin.grants([["pcc-0", "pcc-1"]])
     assert container.cdi_devices == ("tke.cloud.tencent.com/pcc-device=pcc",)
     # Runtimes without CDI still get the device and the mount.
     assert [d.host_path for d in container.device_nodes] == ["/dev/sev-guest"]
@@ -138,16 +140,16 @@ def test_globbed_devices_get_a_cdi_device_each_and_gone_ones_leave_the_spec(
         device_nodes=(DeviceNode("/dev/dm-*", "", "rw", "char"),),
         envs=(("MODE", "x"),),
     )
-    plugin = DevicePlugin(spec, str(host), ResourceStats(), cdi_spec_dir=tmp_path / "cdi")
+    plugin = DevicePlugin(spec, str(host), ResourceState("x"), cdi_spec_dir=tmp_path / "cdi")
     path = tmp_path / "cdi" / "power.example.com-block.json"
     written = json.loads(path.read_text())
     jsonschema.validate(written, CDI_0_6_SCHEMA)
     assert [d["name"] for d in written["devices"]] == ["dm-0", "dm-1"]
     assert written["devices"][0]["containerEdits"]["env"] == ["MODE=x"]
     (host / "dev" / "dm-0").unlink()
-    plugin.refresh()
+    plugin.inventory.refresh()
     assert [d["name"] for d in json.loads(path.read_text())["devices"]] == ["dm-1"]
-    assert plugin.allocate([["dm-1-0"]])[0].cdi_devices == ("power.example.com/block=dm-1",)
+    assert plugin.grants([["dm-1-0"]])[0].cdi_devices == ("power.example.com/block=dm-1",)
 
 
 def owned_by(owner: str) -> dict[str, Any]:
@@ -182,7 +184,7 @@ def pcc_plugin_as(instance: str, host: Path, cdi_dir: Path) -> DevicePlugin:
     return DevicePlugin(
         Flags().pcc_resource(),
         str(host),
-        ResourceStats(),
+        ResourceState("x"),
         cdi_spec_dir=cdi_dir,
         instance_name=instance,
     )
@@ -223,15 +225,15 @@ def test_a_spec_that_is_not_this_instances_is_left_and_cdi_not_named(
     path.write_text(json.dumps(existing))
     plugin = pcc_plugin_as("b", host, cdi_dir)
     (host / "dev" / "sev-guest").unlink()
-    plugin.refresh()
+    plugin.inventory.refresh()
     assert json.loads(path.read_text()) == existing
     assert [p.name for p in cdi_dir.iterdir()] == [PCC_SPEC]  # no temporary file left
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1  # once, not at every refresh
     assert errors[0].startswith(problem.format(path=path))
     (host / "dev" / "sev-guest").symlink_to("/dev/null")
-    plugin.refresh()
-    (container,) = plugin.allocate([["pcc-0"]])
+    plugin.inventory.refresh()
+    (container,) = plugin.grants([["pcc-0"]])
     assert container.cdi_devices == ()
     assert [node.host_path for node in container.device_nodes] == ["/dev/sev-guest"]
 
@@ -249,7 +251,7 @@ def test_an_instance_rewrites_its_own_spec(
     (cdi_dir / PCC_SPEC).write_text(json.dumps(existing))
     plugin = pcc_plugin_as("b", host, cdi_dir)
     assert json.loads((cdi_dir / PCC_SPEC).read_text())["annotations"] == {cdi.OWNER: "b"}
-    assert plugin.allocate([["pcc-0"]])[0].cdi_devices == ("tke.cloud.tencent.com/pcc-device=pcc",)
+    assert plugin.grants([["pcc-0"]])[0].cdi_devices == ("tke.cloud.tencent.com/pcc-device=pcc",)
 
 
 def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
@@ -257,9 +259,11 @@ def test_an_unwritable_dir_is_one_error_and_allocate_still_works(
 ) -> None:
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
-    plugin = DevicePlugin(Flags().pcc_resource(), str(host), ResourceStats(), cdi_spec_dir=blocked)
+    plugin = DevicePlugin(
+        Flags().pcc_resource(), str(host), ResourceState("x"), cdi_spec_dir=blocked
+    )
     assert any("Cannot write CDI spec" in message for message in caplog.messages)
-    (container,) = plugin.allocate([["pcc-0"]])
+    (container,) = plugin.grants([["pcc-0"]])
     assert container.device_nodes
     assert container.cdi_devices == ()
 

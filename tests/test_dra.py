@@ -32,17 +32,19 @@ from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, register
 from metrics_support import get, metrics_port, scrape, value
 from raw_clients import closed_by_server, connect
 
-from pcc_plugin import flags, grpc_server
+from pcc_plugin import configuration, flags, grpc_server
 from pcc_plugin.dra import claims, kube, slices
 from pcc_plugin.dra import service as dra_service
-from pcc_plugin.dra.driver import remove_stale_sockets, socket_paths, state_dir
+from pcc_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import PROG, Flags
-from pcc_plugin.plugin import DevicePlugin
+from pcc_plugin.inventory import Inventory
+from pcc_plugin.plugin_dir import remove_stale_sockets
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
 from pcc_plugin.sim import dra as sim_dra
 from pcc_plugin.sim.dra import SimDraKubelet
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 V1_PREPARE = "NodePrepareResources"
 CDI_ID = f"{DRIVER}/claim="
@@ -334,7 +336,7 @@ async def outage(dra: DraNode, start_daemon: StartDaemon, seconds: float) -> Non
         await trio.sleep(seconds)  # the outage itself, not a synchronisation
         dra.api.start()
         # The driver's next attempt may be a whole backoff away.
-        await published(dra, SHARES, generation=2, within=slices.RETRY_CAP + WAIT)
+        await published(dra, SHARES, generation=2, within=slices.API_RETRY_CAP + WAIT)
         await run_blocking(daemon.wait_for_log, "The API server answers again", WAIT)
         assert daemon.proc.poll() is None
         assert "Traceback" not in daemon.log_text()
@@ -455,7 +457,7 @@ def test_dead_registration_sockets_are_removed_hashed_names_too(fake_node: FakeN
         other.bind(str(kept[1]))  # another driver's: not ours to judge
         (registry / "ffffffffffffffff-reg.sock").write_text("not a socket")
         kept.append(registry / "ffffffffffffffff-reg.sock")
-        remove_stale_sockets(config)
+        remove_stale_sockets(earlier_sockets(config))
     left = [p for d in (registry, plugins) for p in d.rglob("*") if not p.is_dir()]
     assert sorted(left) == sorted(kept)
 
@@ -465,6 +467,25 @@ def test_dead_registration_sockets_are_removed_hashed_names_too(fake_node: FakeN
     [
         (["--mode=dra"], "--node-name: required with --mode=dra"),
         (["--mode=dra", "--node-name=n", "--cdi"], "--cdi: not used with --mode=dra"),
+        (
+            ["--mode=dra", "--node-name=n", "--driver-name=" + "d" * 60 + ".x",
+             "--kubelet-plugins-path=/" + "p" * 46],
+            "--driver-name: /ppp",
+        ),
+    ],
+)  # fmt: skip
+def test_what_the_dra_mode_cannot_serve_is_one_line_naming_the_flag(
+    argv: list[str], expected: str
+) -> None:
+    with pytest.raises(configuration.ConfigError) as refused:
+        configuration.read(flags.parse(argv, PROG, "", "")[0])
+    assert str(refused.value).startswith(expected)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
         (["--mode=kubevirt"], "--mode: must be device-plugin or dra, got 'kubevirt'"),
         (
             ["--mode=dra", "--node-name=n", "--driver-name=PCC"],
@@ -477,26 +498,23 @@ def test_dra_usage_errors_are_one_line_exit_2(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        flags.resources(flags.parse(argv, PROG, "", "")[0], PROG)
+        flags.parse(argv, PROG, "", "")
     assert exited.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"pcc-device-plugin: {expected}")
 
 
-def test_the_config_files_mode_and_the_flag_must_agree(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_config_files_mode_and_the_flag_must_agree(tmp_path: Path) -> None:
     profile = Path(__file__).parent.parent / "docs" / "examples" / "pcc.yaml"
     config = tmp_path / "profiles.yaml"
     config.write_text("mode: dra\n" + profile.read_text())
     argv = [f"--config={config}", "--mode=device-plugin"]
-    with pytest.raises(SystemExit) as exited:
-        flags.resources(flags.parse(argv, PROG, "", "")[0], PROG)
-    assert exited.value.code == 2
-    assert "--mode: device-plugin disagrees with mode dra in" in capsys.readouterr().err
+    with pytest.raises(configuration.ConfigError, match="--mode: device-plugin disagrees with "
+                       "mode dra in"):  # fmt: skip
+        configuration.read(flags.parse(argv, PROG, "", "")[0])
     # The file alone chooses the mode.
-    served = flags.resources(
-        flags.parse([f"--config={config}", "--node-name=n"], PROG, "", "")[0], PROG
+    served = configuration.read(
+        flags.parse([f"--config={config}", "--node-name=n"], PROG, "", "")[0]
     )
     assert served.mode == "dra"
 
@@ -555,7 +573,7 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
     api: Any = FlakyApi()
     spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 2, "/dev/sev-guest", "/var/run/pcc")
     devices = tuple(Device(f"pcc-{i}", "pcc", spec.device_nodes, None) for i in range(2))
-    stats = ResourceStats(kubelet_stream_needed=False, registered=True)
+    stats = ResourceState("x", needs_stream=False, registered=True)
     change = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
@@ -565,13 +583,13 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
         await trio.sleep(600)
         assert "connection refused" in str(stats.not_ready_reason())
         # Doubling from RETRY_FIRST to RETRY_CAP: a few quick tries, then one per cap at most.
-        assert 600 / slices.RETRY_CAP <= api.attempts <= 600 / (slices.RETRY_CAP / 2) + 8
+        assert 600 / slices.API_RETRY_CAP <= api.attempts <= 600 / (slices.API_RETRY_CAP / 2) + 8
         # Once a minute: at the first retry a minute or more after the last report.
         errors = [r for r in caplog.records if r.levelname == "ERROR"]
         every = slices.REPORT_EVERY
-        assert 600 / (every + slices.RETRY_CAP) <= len(errors) <= 600 / every + 1
+        assert 600 / (every + slices.API_RETRY_CAP) <= len(errors) <= 600 / every + 1
         api.down = False
-        await trio.sleep(slices.RETRY_CAP)
+        await trio.sleep(slices.API_RETRY_CAP)
         assert stats.not_ready_reason() is None
         assert [obj["spec"]["pool"]["generation"] for obj in api.slices.values()] == [1]
         assert "The API server answers again after" in caplog.text
@@ -583,15 +601,17 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
 ) -> None:
     """Kubelet hears why for each claim (and retries) instead of an INTERNAL error."""
     spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 4, "/dev/sev-guest", "/var/run/pcc")
-    plugin = DevicePlugin(spec, str(host), ResourceStats())
+    state = ResourceState(spec.name, needs_stream=False)
+    inventory = Inventory(spec, str(host), state)
     not_a_directory = tmp_path / "state"
     not_a_directory.write_text("")
 
     async def get_claim(namespace: str, name: str) -> dict[str, Any]:
         raise AssertionError("not reached: the lock comes first")
 
+    checkpoint = Checkpoint(not_a_directory, DRIVER)
     preparer = claims.Preparer(
-        DRIVER, NODE, plugin, not_a_directory, tmp_path / "cdi", "owner", get_claim
+        DRIVER, NODE, inventory, state, checkpoint, tmp_path / "cdi", "owner", get_claim
     )
     claim = claims.ClaimRef("default", "app", "uid-1")
     with trio.fail_after(10):
@@ -600,7 +620,60 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
     for answer in (prepared["uid-1"], unprepared["uid-1"]):
         assert isinstance(answer, str)
         assert answer.startswith(f"cannot record prepared claims in {not_a_directory}: ")
-    assert plugin.stats.prepares["failed"] == plugin.stats.unprepares["failed"] == 1
+    assert state.prepares["failed"] == state.unprepares["failed"] == 1
+
+
+# As the driver has written it since the DRA mode came (json.dump, indent 1, sorted keys).
+CHECKPOINT_V1 = """{
+ "claims": {
+  "uid-1": {
+   "devices": [
+    {
+     "device": "pcc-3",
+     "pool": "node-a",
+     "requests": [
+      "pcc"
+     ]
+    }
+   ],
+   "name": "app",
+   "namespace": "default"
+  }
+ },
+ "driver": "pcc.tke.cloud.tencent.com",
+ "version": 1
+}"""
+
+
+def test_a_checkpoint_of_version_1_is_read_typed_and_written_as_it_was(tmp_path: Path) -> None:
+    """A driver upgraded in place (or rolled back) reads what the other wrote."""
+    (tmp_path / "checkpoint.json").write_text(CHECKPOINT_V1)
+    checkpoint = Checkpoint(tmp_path, DRIVER)
+    prepared = checkpoint.read()
+    assert prepared == {
+        "uid-1": PreparedClaim("default", "app", (PreparedDevice(("pcc",), NODE, "pcc-3"),))
+    }
+    checkpoint.write(prepared)
+    assert (tmp_path / "checkpoint.json").read_text() == CHECKPOINT_V1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", CHECKPOINT_V1.replace('"version": 1', '"version": 2'), '{"version": 1}'],
+    ids=["not JSON", "another version", "no claims"],
+)
+def test_an_unreadable_checkpoint_is_kept_aside_and_the_driver_starts_empty(
+    tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "checkpoint.json").write_text(text)
+    assert Checkpoint(tmp_path, DRIVER).read() == {}
+    assert (tmp_path / "checkpoint.json.unreadable").read_text() == text
+    assert not (tmp_path / "checkpoint.json").exists()
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR
+    assert record.getMessage().startswith(
+        f"Checkpoint {tmp_path / 'checkpoint.json'} was unreadable"
+    )
 
 
 async def test_missing_credentials_are_one_line_and_exit_1(

@@ -156,7 +156,7 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
         daemon.proc.send_signal(signal.SIGUSR1)
         await log_line(daemon, "Task tree:")
         # The tree's last line: it is written depth first, in name order.
-        await log_line(daemon, "registration.reregister_when_stream_ends")
+        await log_line(daemon, "inventory.watch_health")
         text = daemon.log_text()
         # It says what it is, then the configuration comes.
         messages = [line.split("] ", 1)[1] for line in text.splitlines()]
@@ -172,8 +172,9 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
         )
         assert f"counters {RESOURCE}: registrations=" in text
         # Kubelet's connection is served by one of trio.serve_listeners' handler tasks.
-        for task in ("handle_signals", "serve_kubelet", "watch_health", "watch_plugin_dir",
-                     "grpc_server.serve", "serve_listeners._run_handler"):  # fmt: skip
+        for task in ("handle_signals", "serve_generations", "watch_health", "watch_plugin_dir",
+                     "grpc_server.serve", "serve_listeners._run_handler",
+                     "forget_faults_when_stable", "reregister_when_stream_ends"):  # fmt: skip
             assert task in text
         assert (fake_node.plugin_dir / endpoint).is_socket()
         assert kubelet.stream_open(RESOURCE)

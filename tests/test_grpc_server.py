@@ -30,12 +30,11 @@ from raw_clients import call, closed_by_server, connect, grpc_frame, request_hea
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin.flags import Flags
-from pcc_plugin.plugin import DevicePlugin
 from pcc_plugin.registration import KubeletLink
-from pcc_plugin.service import DevicePluginService
+from pcc_plugin.service import DevicePlugin
 from pcc_plugin.sim import run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 Frame = hyperframe.frame.Frame
 
@@ -54,13 +53,13 @@ def socket_path() -> Iterator[Path]:
 async def serving(
     socket_path: Path,
     host_root: str = "",
-    stats: ResourceStats | None = None,
+    stats: ResourceState | None = None,
     idle_client: bool = False,
 ) -> AsyncIterator[grpc_server.Server]:
     """The PCC resource's service on `socket_path`, until the block ends (then torn down)."""
-    plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceStats())
-    service = DevicePluginService(plugin, KubeletLink(plugin.stats))
-    server = grpc_server.Server(service.methods(), service.on_error, idle_client=idle_client)
+    plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceState("x"))
+    methods = plugin.methods(KubeletLink(plugin.state))
+    server = grpc_server.Server(methods, plugin.state.handler_failed, idle_client=idle_client)
     async with trio.open_nursery() as nursery:
         listener, own = grpc_server.bind(socket_path)
         await nursery.start(grpc_server.serve, server, listener, socket_path, own)
@@ -389,7 +388,7 @@ async def test_answers_past_the_clients_window_wait_for_it_and_none_overruns_it(
     socket_path: Path, host: Path
 ) -> None:
     # About 150 bytes an answer: 1,000 of them are twice the 64 KiB a connection starts with.
-    stats = ResourceStats()
+    stats = ResourceState("x")
     with trio.fail_after(20):
         async with serving(socket_path, str(host), stats):
             statuses, held = await run_blocking(calls_past_the_window, socket_path, 1000)

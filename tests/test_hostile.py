@@ -229,13 +229,13 @@ async def test_a_handler_that_raises_is_logged_at_v0_answered_internal_and_count
 ) -> None:
     # The daemon's own Allocate made to fail for one device ID, from outside its code.
     (tmp_path / "sitecustomize.py").write_text(
-        "import pcc_plugin.plugin as plugin\n"
-        "allocate = plugin.DevicePlugin.allocate\n"
+        "import pcc_plugin.service as service\n"
+        "grants = service.DevicePlugin.grants\n"
         "def failing(self, containers):\n"
         "    if ['pcc-13'] in containers:\n"
         "        raise RuntimeError('injected for the test')\n"
-        "    return allocate(self, containers)\n"
-        "plugin.DevicePlugin.allocate = failing\n"
+        "    return grants(self, containers)\n"
+        "service.DevicePlugin.grants = failing\n"
     )
     with trio.fail_after(30):
         daemon = start_daemon(

@@ -57,8 +57,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from pcc_plugin import main
+from pcc_plugin.configuration import read
 from pcc_plugin.flags import DEFAULT_DRIVER_NAME as DRIVER_NAME
-from pcc_plugin.flags import parse, resources
+from pcc_plugin.flags import parse
 from pcc_plugin.profiles import load
 from pcc_plugin.resource import ResourceSpec
 
@@ -743,7 +744,7 @@ def test_dra_args_are_flags_the_plugin_takes_and_its_directories_are_mounted(
         for arg in container["args"]
     ]
     config, _ = parse(expanded, "pcc-device-plugin", main.DESCRIPTION, main.EPILOG)
-    served = resources(config, "pcc-device-plugin")
+    served = read(config)
     assert served.mode == "dra"
     assert (config.node_name, config.pod_uid) == ("node-a", "0a0a0a0a-1111-2222")
     for path in (config.kubelet_registry_path, config.kubelet_plugins_path, config.cdi_spec_dir):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,32 +14,44 @@ import pytest
 
 from pcc_plugin.flags import Flags
 from pcc_plugin.klog import V1
-from pcc_plugin.plugin import DevicePlugin, DeviceUnavailable, RequestError, encode_listing
-from pcc_plugin.registration import KubeletLink
 from pcc_plugin.resource import DeviceNode, HostMount, ResourceSpec
-from pcc_plugin.service import DevicePluginService, encode_allocate_response
+from pcc_plugin.service import (
+    DevicePlugin,
+    encode_allocate_response,
+    encode_listing,
+)
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
+Status = grpclib.const.Status
+INVALID_ARGUMENT, FAILED_PRECONDITION = Status.INVALID_ARGUMENT, Status.FAILED_PRECONDITION
+
+
+@contextlib.contextmanager
+def refused(status: Status, match: str) -> Iterator[None]:
+    with pytest.raises(grpclib.exceptions.GRPCError) as raised:
+        yield
+    assert raised.value.status is status
+    assert re.search(match, raised.value.message or ""), raised.value.message
 
 
 def pcc_plugin(host: Path, pre_start_check: bool = False, **flags: Any) -> DevicePlugin:
     config = Flags(host_root=str(host), **flags)
     return DevicePlugin(
-        config.pcc_resource(), config.host_root, ResourceStats(), pre_start_check=pre_start_check
+        config.pcc_resource(), config.host_root, ResourceState("x"), pre_start_check=pre_start_check
     )
 
 
 def listing(plugin: DevicePlugin) -> pb.ListAndWatchResponse:
     response: pb.ListAndWatchResponse = pb.ListAndWatchResponse.FromString(
-        encode_listing(plugin.devices)
+        encode_listing(plugin.inventory.devices)
     )
     return response
 
 
 def allocate(plugin: DevicePlugin, *containers: list[str]) -> pb.AllocateResponse:
-    encoded = encode_allocate_response(tuple(plugin.allocate(list(containers))))
+    encoded = encode_allocate_response(tuple(plugin.grants(list(containers))))
     response: pb.AllocateResponse = pb.AllocateResponse.FromString(encoded)
     return response
 
@@ -45,7 +60,7 @@ def test_listing_has_every_share_with_stable_ids(host: Path) -> None:
     devices = listing(pcc_plugin(host)).devices
     assert [device.ID for device in devices] == [f"pcc-{i}" for i in range(16)]
     assert {device.health for device in devices} == {"Healthy"}
-    assert pcc_plugin(host).devices == pcc_plugin(host).devices
+    assert pcc_plugin(host).inventory.devices == pcc_plugin(host).inventory.devices
 
 
 def test_listing_follows_resource_count_and_health(host: Path) -> None:
@@ -57,7 +72,7 @@ def test_listing_follows_resource_count_and_health(host: Path) -> None:
 
 
 def test_options_offer_nothing_unimplemented(host: Path) -> None:
-    options = pb.DevicePluginOptions.FromString(bytes(pcc_plugin(host).options()))
+    options = pb.DevicePluginOptions.FromString(bytes(pcc_plugin(host).options))
     assert not options.pre_start_required
     assert not options.get_preferred_allocation_available
 
@@ -103,35 +118,35 @@ def test_bad_requests_name_the_problem(
     host: Path, containers: list[list[str]], message: str
 ) -> None:
     plugin = pcc_plugin(host)
-    with pytest.raises(RequestError, match=message):
-        plugin.allocate(containers)
-    assert plugin.stats.allocations == {"invalid": 1}
+    with refused(INVALID_ARGUMENT, message):
+        plugin.grants(containers)
+    assert plugin.state.allocations == {"invalid": 1}
 
 
 def test_allocate_fails_with_the_reason_while_unhealthy(host: Path) -> None:
     plugin = pcc_plugin(host)
     request = [["pcc-0"]]
     (host / "dev" / "sev-guest").unlink()
-    plugin.refresh()
-    with pytest.raises(DeviceUnavailable, match=r"pcc-0 is unhealthy: detect device .* failed"):
-        plugin.allocate(request)
+    plugin.inventory.refresh()
+    with refused(FAILED_PRECONDITION, r"pcc-0 is unhealthy: detect device .* failed"):
+        plugin.grants(request)
     (host / "dev" / "sev-guest").symlink_to("/dev/null")
-    plugin.refresh()
-    assert len(plugin.allocate(request)) == 1
-    assert plugin.stats.allocations == {"unavailable": 1, "ok": 1}
-    assert (plugin.stats.healthy_devices, plugin.stats.unhealthy_devices) == (16, 0)
+    plugin.inventory.refresh()
+    assert len(plugin.grants(request)) == 1
+    assert plugin.state.allocations == {"unavailable": 1, "ok": 1}
+    assert (plugin.state.healthy_devices, plugin.state.unhealthy_devices) == (16, 0)
 
 
 def test_pre_start_check_looks_at_the_node_again(host: Path) -> None:
     checked = pcc_plugin(host, pre_start_check=True)
-    assert checked.options().pre_start_required
-    request = ["pcc-0"]
-    checked.pre_start_container(request)
+    assert checked.options.pre_start_required
+    request = _pre_start_request(["pcc-0"])
+    assert checked.pre_start_container(request, None) == b""  # type: ignore[arg-type]
     (host / "var" / "run" / "pcc").rmdir()
-    with pytest.raises(DeviceUnavailable, match=f"detect socket path {host}/var/run/pcc"):
-        checked.pre_start_container(request)
-    with pytest.raises(RequestError, match="unknown device IDs 'nope'"):
-        checked.pre_start_container(["nope"])
+    with refused(FAILED_PRECONDITION, f"detect socket path {host}/var/run/pcc"):
+        checked.pre_start_container(request, None)  # type: ignore[arg-type]
+    with refused(INVALID_ARGUMENT, "unknown device IDs 'nope'"):
+        checked.pre_start_container(_pre_start_request(["nope"]), None)  # type: ignore[arg-type]
 
 
 def _allocate_request(*containers: list[str]) -> bytes:
@@ -173,10 +188,9 @@ def test_service_answers_each_refusal_with_its_status(
 ) -> None:
     plugin = pcc_plugin(host, pre_start_check=True)
     (host / "dev" / "sev-guest").unlink()  # pcc-0 unhealthy, for FAILED_PRECONDITION
-    plugin.refresh()
-    service = DevicePluginService(plugin, KubeletLink(plugin.stats))
+    plugin.inventory.refresh()
     with pytest.raises(grpclib.exceptions.GRPCError) as refused:
-        getattr(service, method)(request_bytes, None)
+        getattr(plugin, method)(request_bytes, None)
     assert refused.value.status is grpclib.const.Status[status]
     assert refused.value.message is not None
     assert details in refused.value.message
@@ -203,11 +217,10 @@ def test_a_refused_allocate_is_logged_at_v1_with_its_reason(
     plugin = pcc_plugin(host)
     if reason.startswith("FAILED_PRECONDITION"):
         (host / "dev" / "sev-guest").unlink()
-        plugin.refresh()
-    service = DevicePluginService(plugin, KubeletLink(plugin.stats))
+        plugin.inventory.refresh()
     caplog.set_level(V1)
     with pytest.raises(grpclib.exceptions.GRPCError):
-        service.allocate(request_bytes, None)  # type: ignore[arg-type]  # it reads no call
+        plugin.allocate(request_bytes, None)  # type: ignore[arg-type]  # it reads no call
     (record,) = [r for r in caplog.records if r.getMessage().startswith("Allocate ")]
     assert record.levelno == V1
     assert record.getMessage().startswith(f"Allocate {RESOURCE} refused, {reason}")
@@ -224,8 +237,8 @@ def test_globbed_devices_are_one_device_each_and_stay_listed_when_gone(host: Pat
         mounts=(HostMount("/var/run/pcc", "/pcc", read_only=True),),
         envs=(("MODE", "shared"),),
     )
-    plugin = DevicePlugin(spec, str(host), ResourceStats())
-    assert [(d.id, d.healthy) for d in plugin.devices] == [
+    plugin = DevicePlugin(spec, str(host), ResourceState("x"))
+    assert [(d.id, d.healthy) for d in plugin.inventory.devices] == [
         ("vda-0", True), ("vda-1", True), ("vdb-0", True), ("vdb-1", True),
     ]  # fmt: skip
     (container,) = allocate(plugin, ["vdb-1", "vdb-0"]).container_responses
@@ -236,10 +249,10 @@ def test_globbed_devices_are_one_device_each_and_stay_listed_when_gone(host: Pat
     assert dict(container.envs) == {"MODE": "shared"}
     (host / "dev" / "vda").unlink()
     (host / "dev" / "vdc").symlink_to("/dev/null")
-    plugin.refresh()
-    assert [(d.id, d.healthy) for d in plugin.devices] == [
+    plugin.inventory.refresh()
+    assert [(d.id, d.healthy) for d in plugin.inventory.devices] == [
         ("vda-0", False), ("vda-1", False), ("vdb-0", True), ("vdb-1", True),
         ("vdc-0", True), ("vdc-1", True),
     ]  # fmt: skip
-    with pytest.raises(DeviceUnavailable, match="vda-0 is unhealthy"):
+    with refused(FAILED_PRECONDITION, "vda-0 is unhealthy"):
         allocate(plugin, ["vda-0"])

@@ -15,6 +15,8 @@ from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import (
     SocketNames,
     is_own_socket,
+    own_sockets,
+    process_stem,
     remove_stale_sockets,
     restart_reason,
 )
@@ -44,7 +46,7 @@ def test_stale_sockets_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
     live.listen()
     with bind_socket(tmp_path / "nvidia.sock"), live:
         (tmp_path / "pcc-3-cc-0.sock").write_text("not a socket")
-        remove_stale_sockets(tmp_path, "pcc", keep="pcc-9-ff-0.sock")
+        remove_stale_sockets(own_sockets(tmp_path, "pcc", keep="pcc-9-ff-0.sock"))
         assert sorted(p.name for p in tmp_path.iterdir()) == [
             "nvidia.sock",
             "pcc-2-bb-0.sock",
@@ -64,7 +66,7 @@ def test_a_live_socket_of_this_process_is_not_called_another_instances(
     with bind_socket(tmp_path / previous) as mine, bind_socket(tmp_path / others) as theirs:
         mine.listen()
         theirs.listen()
-        remove_stale_sockets(tmp_path, "pcc", keep=current)
+        remove_stale_sockets(own_sockets(tmp_path, "pcc", keep=current), process_stem("pcc"))
     assert len(caplog.records) == 2
     assert {record.getMessage() for record in caplog.records} == {
         f"Leaving {tmp_path / others}: another instance serves it",

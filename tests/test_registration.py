@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import re
 import socket
 from pathlib import Path
@@ -16,20 +15,16 @@ import trio.testing
 from pcc_plugin import grpc_clients
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.fs import identity
+from pcc_plugin.generations import RETRY_CAP, RETRY_FIRST
 from pcc_plugin.plugin_dir import KUBELET_RESTARTED
 from pcc_plugin.registration import (
-    STABLE_AFTER,
     UNREACHABLE_GRACE,
     UNREACHABLE_REPEAT,
-    Backoff,
+    Kubelet,
     KubeletLink,
-    Reachability,
-    forget_faults_when_stable,
-    register_with_kubelet,
     reregister_when_stream_ends,
 )
-from pcc_plugin.stats import ResourceStats
-from pcc_plugin.supervisor import Restart
+from pcc_plugin.state import ResourceState
 
 REQUEST = api.RegisterRequest(
     version="v1beta1", endpoint="pcc-1-abc-0.sock", resource_name="example.com/pcc"
@@ -44,49 +39,6 @@ def bind_socket(path: Path) -> socket.socket:
 
 def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [record.getMessage() for record in caplog.records if record.levelno == level]
-
-
-def test_backoff_doubles_with_jitter_up_to_the_cap() -> None:
-    backoff = Backoff(first=0.1, cap=2.0, rng=random.Random(7))
-    delays = [backoff.next_delay() for _ in range(10)]
-    ceilings = [min(2.0, 0.1 * 2**n) for n in range(10)]
-    for delay, ceiling in zip(delays, ceilings, strict=True):
-        assert ceiling / 2 <= delay <= ceiling
-    assert len(set(delays)) == len(delays)
-
-
-def test_backoff_acts_at_once_on_an_isolated_fault_and_forgets_on_reset() -> None:
-    backoff = Backoff(first=0.02, cap=5.0, immediate_first=True, rng=random.Random(3))
-    assert backoff.next_delay() == 0
-    assert 0.01 <= backoff.next_delay() <= 0.02
-    assert 0.02 <= backoff.next_delay() <= 0.04
-    for _ in range(20):
-        assert backoff.next_delay() <= 5.0
-    backoff.reset()
-    assert backoff.next_delay() == 0
-
-
-async def test_faults_are_forgotten_after_kubelets_stream_stayed_open(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Seven faults over a node's life, each recovered: the eighth is acted on at once."""
-    backoff = Backoff(first=0.02, cap=5.0, immediate_first=True)
-    for _ in range(7):
-        assert backoff.next_delay() < 1.0
-        link = KubeletLink(ResourceStats())
-        link.stream_opened_event.set()
-        await forget_faults_when_stable(link, backoff)
-    assert backoff.next_delay() == 0
-    # A stream that ends before STABLE_AFTER forgets nothing.
-    backoff.next_delay()
-    backoff.next_delay()
-    link = KubeletLink(ResourceStats())
-    link.stream_opened_event.set()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(forget_faults_when_stable, link, backoff)
-        await trio.sleep(STABLE_AFTER / 2)
-        link.ended.set()
-    assert backoff.attempt == 3
 
 
 async def test_register_retries_with_backoff_and_logs_each_refusal_once(
@@ -104,18 +56,17 @@ async def test_register_retries_with_backoff_and_logs_each_refusal_once(
             raise grpc_clients.RegisterFailed(answer)
 
     with bind_socket(tmp_path / "kubelet.sock"):
-        backoff = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
-        expected = Backoff(first=1.0, cap=2.0, rng=random.Random(1))
-        stats = ResourceStats()
-        link = KubeletLink(stats)
-        await register_with_kubelet(
-            tmp_path, REQUEST, stats, "start", link, Reachability(), fake_register, backoff
-        )
-    assert stats.registered
+        state = ResourceState("x")
+        link = KubeletLink(state)
+        await Kubelet(state, fake_register).register(tmp_path, REQUEST, link, "start")
+    assert state.registered
     assert link.register == "answered"
-    assert stats.registrations == {"start": 1}
+    assert state.registrations == {"start": 1}
     gaps = [later - earlier for earlier, later in itertools.pairwise(calls)]
-    assert gaps == pytest.approx([expected.next_delay() for _ in range(3)])
+    # Doubling from RETRY_FIRST, each wait between half and all of its ceiling.
+    for retry, gap in enumerate(gaps):
+        ceiling = min(RETRY_CAP, RETRY_FIRST * 2**retry)
+        assert ceiling / 2 <= gap <= ceiling
     assert messages(caplog, logging.ERROR) == [
         "Registration with kubelet failed, retrying: kubelet answered UNKNOWN: busy",
         "Registration with kubelet failed, retrying: odd",
@@ -133,23 +84,19 @@ async def test_an_unreachable_kubelet_is_an_error_only_after_the_grace(
         if trio.current_time() < down_until:
             raise grpc_clients.Unreachable(f"cannot reach {path}: [Errno 111] Connection refused")
 
-    reachability = Reachability()
     with bind_socket(tmp_path / "kubelet.sock"):
-        stats = ResourceStats()
+        state = ResourceState("x")
+        kubelet = Kubelet(state, refuse_until)
         # A normal restart: refused for a few seconds, then accepted.
         down_until = trio.current_time() + 3
-        await register_with_kubelet(
-            tmp_path, REQUEST, stats, "start", KubeletLink(stats), reachability, refuse_until
-        )
+        await kubelet.register(tmp_path, REQUEST, KubeletLink(state), "start")
         assert messages(caplog, logging.ERROR) == []
         assert any("Kubelet is not reachable yet" in m for m in messages(caplog, 15))
         assert not any("reachable again" in m for m in messages(caplog, logging.INFO))
         # Away for minutes: one E line after the grace, then one a minute.
         start = trio.current_time()
         down_until = start + UNREACHABLE_GRACE + 2.5 * UNREACHABLE_REPEAT
-        await register_with_kubelet(
-            tmp_path, REQUEST, stats, "start", KubeletLink(stats), reachability, refuse_until
-        )
+        await kubelet.register(tmp_path, REQUEST, KubeletLink(state), "start")
     errors = messages(caplog, logging.ERROR)
     # Retries come every few seconds (the backoff's cap), so the lines come a little later.
     reported = [int(re.fullmatch(r"Kubelet has been unreachable for (\d+) s, .*", m)[1])  # type: ignore[index]
@@ -185,15 +132,13 @@ async def test_register_waits_without_polling_while_kubelet_sock_is_missing(
     async def must_not_be_called(*_: object) -> None:
         raise AssertionError("registered without kubelet.sock")
 
+    state = ResourceState("x")
     with trio.move_on_after(3600) as waited:
-        stats = ResourceStats()
-        await register_with_kubelet(
-            tmp_path, REQUEST, stats, "start", KubeletLink(stats), Reachability(),
-            must_not_be_called,
-        )  # fmt: skip
+        kubelet = Kubelet(state, must_not_be_called)
+        await kubelet.register(tmp_path, REQUEST, KubeletLink(state), "start")
     assert waited.cancelled_caught
     assert (
-        stats.not_ready_reason() == f"waiting for kubelet: {tmp_path}/kubelet.sock does not exist"
+        state.not_ready_reason() == f"waiting for kubelet: {tmp_path}/kubelet.sock does not exist"
     )
 
 
@@ -203,22 +148,18 @@ async def test_a_registration_with_a_new_kubelet_sock_counts_as_a_kubelet_restar
     async def accept(*_: object) -> None:
         pass
 
-    stats = ResourceStats()
-    reachability = Reachability()
+    state = ResourceState("x")
+    kubelet = Kubelet(state, accept)
     for cause in ("start", "own socket was removed", "own socket was removed"):
         with bind_socket(tmp_path / "kubelet.sock"):
-            await register_with_kubelet(
-                tmp_path, REQUEST, stats, cause, KubeletLink(stats), reachability, accept
-            )
+            await kubelet.register(tmp_path, REQUEST, KubeletLink(state), cause)
             if cause == "start":
                 # Registering again with the same kubelet is no restart.
-                await register_with_kubelet(
-                    tmp_path, REQUEST, stats, "ListAndWatch ended", KubeletLink(stats),
-                    reachability, accept,
-                )  # fmt: skip
+                link = KubeletLink(state)
+                await kubelet.register(tmp_path, REQUEST, link, "ListAndWatch ended")
         (tmp_path / "kubelet.sock").unlink()
-    assert stats.registrations == {"start": 1, "ListAndWatch ended": 1, "kubelet restarted": 2}
-    assert stats.kubelet_restarts == 2
+    assert state.registrations == {"start": 1, "ListAndWatch ended": 1, "kubelet restarted": 2}
+    assert state.kubelet_restarts == 2
 
 
 async def test_a_new_kubelet_sock_counts_as_a_restart_even_with_the_old_ones_identity(
@@ -230,15 +171,13 @@ async def test_a_new_kubelet_sock_counts_as_a_restart_even_with_the_old_ones_ide
     async def accept(*_: object) -> None:
         pass
 
-    stats = ResourceStats()
-    reachability = Reachability()
+    state = ResourceState("x")
+    kubelet = Kubelet(state, accept)
     with bind_socket(tmp_path / "kubelet.sock"):
         for cause in ("start", KUBELET_RESTARTED, KUBELET_RESTARTED):
-            await register_with_kubelet(
-                tmp_path, REQUEST, stats, cause, KubeletLink(stats), reachability, accept
-            )
-    assert stats.registrations == {"start": 1, KUBELET_RESTARTED: 2}
-    assert stats.kubelet_restarts == 2
+            await kubelet.register(tmp_path, REQUEST, KubeletLink(state), cause)
+    assert state.registrations == {"start": 1, KUBELET_RESTARTED: 2}
+    assert state.kubelet_restarts == 2
 
 
 @pytest.mark.parametrize("same_kubelet", [True, False], ids=["dropped", "restarted"])
@@ -247,21 +186,20 @@ async def test_stream_end_restarts_at_once_while_kubelet_listens(
 ) -> None:
     """The kubelet registered with dropped the stream: a fault (the next one back to back
     waits). A new kubelet.sock listens already: a kubelet restart, never a fault."""
-    link = KubeletLink(ResourceStats())
-    with bind_socket(tmp_path / "kubelet.sock") as kubelet, trio.CancelScope() as scope:
+    link = KubeletLink(ResourceState("x"))
+    reasons: list[str] = []
+    with bind_socket(tmp_path / "kubelet.sock") as kubelet:
         kubelet.listen()
         if same_kubelet:
             link.kubelet = identity(tmp_path / "kubelet.sock")
-        restart = Restart(scope)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(reregister_when_stream_ends, tmp_path, link, restart)
+            nursery.start_soon(reregister_when_stream_ends, tmp_path, link, reasons.append)
             await trio.sleep(10)
-            assert restart.reason is None
+            assert reasons == []
             ended_at = trio.current_time()
             link.ended.set()
-            await trio.sleep_forever()
     expected = "kubelet's ListAndWatch stream ended" if same_kubelet else "kubelet restarted"
-    assert restart.reason == expected
+    assert reasons == [expected]
     assert trio.current_time() == ended_at
 
 
@@ -269,21 +207,21 @@ async def test_stream_end_waits_for_kubelet_while_it_restarts(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     """A killed kubelet leaves kubelet.sock behind; the new one's arrival restarts us."""
-    stats = ResourceStats(registered=True)
+    stats = ResourceState("x", registered=True)
     link = KubeletLink(stats)
-    with bind_socket(tmp_path / "kubelet.sock"), trio.CancelScope() as scope:
-        restart = Restart(scope)
+    reasons: list[str] = []
+    with bind_socket(tmp_path / "kubelet.sock"):
         link.ended.set()
         with trio.move_on_after(3600):
-            await reregister_when_stream_ends(tmp_path, link, restart)
-    assert restart.reason is None
+            await reregister_when_stream_ends(tmp_path, link, reasons.append)
+    assert reasons == []
     assert stats.not_ready_reason() == (
         f"waiting for kubelet: {tmp_path}/kubelet.sock takes no connections"
     )
 
 
 def test_kubelets_stream_is_the_one_on_the_connection_that_read_options_during_register() -> None:
-    stats = ResourceStats()
+    stats = ResourceState("x")
     link = KubeletLink(stats)
     tool, kubelet, late_tool = object(), object(), object()
     # A tool that found the socket before Register: its options and stream are its own.
@@ -308,7 +246,7 @@ def test_kubelets_stream_is_the_one_on_the_connection_that_read_options_during_r
 
 
 def test_older_kubelets_read_options_after_register_answered() -> None:
-    link = KubeletLink(ResourceStats())
+    link = KubeletLink(ResourceState("x"))
     kubelet, tool = object(), object()
     link.register = "answered"
     link.options_called(kubelet)
@@ -316,7 +254,7 @@ def test_older_kubelets_read_options_after_register_answered() -> None:
     assert not link.stream_opened(tool)
     assert link.stream_opened(kubelet)
     # And a current kubelet's call during a retried Register wins over an earlier one.
-    link = KubeletLink(ResourceStats())
+    link = KubeletLink(ResourceState("x"))
     link.register = "answered"
     link.options_called(tool)
     link.register = "in flight"
@@ -325,7 +263,7 @@ def test_older_kubelets_read_options_after_register_answered() -> None:
 
 
 def test_kubelet_closing_its_connection_before_a_stream_counts_as_the_end() -> None:
-    link = KubeletLink(ResourceStats())
+    link = KubeletLink(ResourceState("x"))
     kubelet = object()
     link.register = "in flight"
     link.options_called(kubelet)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from pcc_plugin import bridge, flags, klog
+from pcc_plugin import bridge, configuration, flags, klog
 from pcc_plugin.doctor.config import check_config
 from pcc_plugin.doctor.dra import check_driver, check_registry_dir
 from pcc_plugin.doctor.kubelet import (
@@ -111,29 +111,22 @@ def main(argv: Sequence[str]) -> NoReturn:
         print(flags.version_text(config.verbosity))
         sys.exit(0)
     klog.configure(config.verbosity)
-    specs: list[ResourceSpec] = []
-    digest = ""
+    served = configuration.Served([], "", config.mode or DEFAULT_MODE)
     config_problem = None
-    mode = flags.served_mode(config)
-    if config.config:
-        from pcc_plugin import profiles
-
-        try:
-            specs, digest, file_mode = profiles.load(config.config)
-        except profiles.ProfileError as exc:
-            config_problem = str(exc)
-        else:
-            mode = flags.served_mode(config, file_mode)
-    else:
-        served = flags.resources(config, PROG)
-        specs, digest, mode = served.specs, served.digest, served.mode
+    try:
+        served = configuration.read(config)
+    except configuration.ConfigError as exc:
+        if not config.config:
+            flags.usage_error(PROG, str(exc))
+        # The daemon keeps what it runs: kubelet and the daemon can still be checked.
+        config_problem = str(exc)
     results: list[Result] = []
 
     def report(result: Result) -> None:
         results.append(result)
         print(result.line(), flush=True)
 
-    bridge.run(examine, config, specs, report, digest, config_problem, mode)
+    bridge.run(examine, config, served.specs, report, served.digest, config_problem, served.mode)
     counts = collections.Counter(result.status for result in results)
     print(
         f"{counts['PASS']} passed, {counts['WARN']} warned, {counts['FAIL']} failed, "

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pcc_plugin import grpc_clients
-from pcc_plugin.doctor.node import glob_matches
 from pcc_plugin.doctor.report import AS_ROOT, DAEMON_LOG, Result, expect_kind, failed, passed
 from pcc_plugin.fs import connect_error
 from pcc_plugin.plugin_dir import KUBELET_SOCKET, is_own_socket
-from pcc_plugin.resource import ResourceSpec
+from pcc_plugin.resource import ResourceSpec, take_inventory
 
 # Each network check gives up after this long.
 CHECK_TIMEOUT = 5.0
@@ -86,16 +85,8 @@ async def check_kubelet(plugin_dir: Path) -> Result:
 
 
 def expected_devices(spec: ResourceSpec, host_root: str) -> int:
-    """How many devices the daemon should list: `count` shares of each device found."""
-    if not any(node.is_glob for node in spec.device_nodes):
-        return spec.count
-    found = {
-        match
-        for node in spec.device_nodes
-        if node.is_glob
-        for match in glob_matches(node, host_root)
-    }
-    return spec.count * len(found)
+    """How many devices the daemon should list: what it would find itself."""
+    return len(take_inventory(spec, host_root, {}))
 
 
 def _devices(count: int) -> str:

@@ -7,7 +7,7 @@ import re
 
 import attrs
 
-from pcc_plugin.doctor.report import is_within
+from pcc_plugin.sensitive import is_within
 
 
 @attrs.frozen

@@ -14,25 +14,22 @@ from pcc_plugin.doctor.report import (
     Result,
     expect_kind,
     failed,
-    is_within,
     kind,
     passed,
     skipped,
     warned,
 )
 from pcc_plugin.resource import (
+    DEVICE_WORDS,
     LOAD_SEV_GUEST,
     NOT_AN_SEV_SNP_NODE,
     START_PCC_SERVICE,
     DeviceNode,
-    DeviceType,
     HostMount,
     ResourceSpec,
     seen_from_here,
 )
-from pcc_plugin.sensitive import normalised
-
-DEVICE_WORDS: dict[DeviceType, str] = {"char": "a character device", "block": "a block device"}
+from pcc_plugin.sensitive import is_within, normalised
 
 RIGHT_PATH = "give the daemon and the doctor the right path"
 # A profile's device or directory that is missing; the PCC profile's have fixes of their own.

@@ -69,7 +69,3 @@ def expect_kind(
     if kind(mode) != wanted:
         return failed(check, f"{path} is {kind(mode)}, not {wanted}", wrong_fix)
     return None
-
-
-def is_within(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip("/") + "/")

@@ -1,20 +1,15 @@
-"""The DRA mode's serving: its sockets for kubelet, its ResourceSlices, its claims.
+"""The DRA mode on the shared skeleton (generations.py): its sockets for kubelet, its
+ResourceSlices, its claims.
 
-The DRA socket (`<plugins>/<driver>/dra-<token>.sock`) serves before the registration
-socket (`<plugins_registry>/<driver>-<token>-reg.sock`) exists: kubelet dials the DRA socket
-as soon as it has registered the driver. The token is the pod's UID (--pod-uid) or this
-process's own, so the two instances of a rolling update never share a name; each removes its
-own sockets when it stops. Either socket gone (deleted by hand, its directory removed): both
-are served again. Kubelet restarting needs nothing of the sockets (it registers the ones it
-finds), but it deletes the node's slices, which `slices.publish` writes again.
+A generation serves the DRA socket, then the registration socket (dra/sockets.py names
+them). Either socket gone (deleted by hand, its directory removed): both are served again.
+Kubelet restarting needs nothing of the sockets (it registers the ones it finds), but it
+deletes the node's slices, which `slices.publish` writes again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,171 +19,93 @@ from asyncinotify import Inotify, Mask
 
 from pcc_plugin import grpc_server
 from pcc_plugin.dra import kube, slices
+from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.dra.claims import Preparer
-from pcc_plugin.dra.service import DraService, RegistrationService, on_error
+from pcc_plugin.dra.service import DraService, RegistrationService
+from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import Flags
 from pcc_plugin.fs import Identity
-from pcc_plugin.health import watch_health
-from pcc_plugin.inotify import DIR_GONE, VANISHED, next_events, open_inotify, wait_for_directory
-from pcc_plugin.klog import V1
-from pcc_plugin.plugin import DevicePlugin
-from pcc_plugin.plugin_dir import accepts_connections, own_socket_problem, process_token
-from pcc_plugin.registration import Backoff
+from pcc_plugin.generations import Backoff, Generation, serve_generations
+from pcc_plugin.inotify import DIR_GONE, VANISHED, next_events
+from pcc_plugin.inventory import Inventory, watch_health
+from pcc_plugin.plugin_dir import own_socket_problem, remove_stale_sockets
+from pcc_plugin.resource import Device, ResourceSpec
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
-MAX_SOCKET_PATH_BYTES = 107
-REGISTRATION_SUFFIX = "-reg.sock"
 
+class DraMode:
+    """One resource as the DRA driver of this node."""
 
-def state_dir(config: Flags) -> Path:
-    """Where the DRA socket, the checkpoint and its lock go: kubelet's, per driver."""
-    return Path(config.kubelet_plugins_path) / config.driver_name
+    server = "the DRA driver's sockets"
+    # Made anew with the API client each time the mode is served.
+    preparer: Preparer
 
+    def __init__(self, config: Flags, spec: ResourceSpec, state: ResourceState) -> None:
+        self.config = config
+        self.state = state
+        self.directory = Path(config.kubelet_registry_path)
+        # Set, and replaced, at each change of the devices: what the slices' publisher waits on.
+        self._changed = trio.Event()
+        self.inventory = Inventory(spec, config.host_root, state, self._devices_changed)
 
-def socket_paths(config: Flags) -> tuple[Path, Path]:
-    """The registration socket and the DRA socket of this instance.
+    def _devices_changed(self, devices: tuple[Device, ...]) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
-    With a name too long for a unix socket, the token and driver give way to a hash of them.
-    """
-    token = config.pod_uid or process_token()
-    registry = Path(config.kubelet_registry_path)
-    registration = registry / f"{config.driver_name}-{token}{REGISTRATION_SUFFIX}"
-    dra = state_dir(config) / f"dra-{token}.sock"
-    digest = hashlib.sha256(f"{config.driver_name}/{token}".encode()).hexdigest()[:16]
-    if len(os.fsencode(registration)) > MAX_SOCKET_PATH_BYTES:
-        registration = registry / f"{digest}{REGISTRATION_SUFFIX}"
-    if len(os.fsencode(dra)) > MAX_SOCKET_PATH_BYTES:
-        dra = state_dir(config) / f"dra-{digest}.sock"
-    return registration, dra
+    async def serve(self, bug_backoff: Backoff) -> None:
+        config, inventory = self.config, self.inventory
+        api = kube.open_client(config.kubeconfig)
+        checkpoint = Checkpoint(state_dir(config), config.driver_name)
+        self.preparer = Preparer(
+            config.driver_name, config.node_name, inventory, self.state, checkpoint,
+            Path(config.cdi_spec_dir), config.instance_name, api.get_claim,
+        )  # fmt: skip
 
+        def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
+            return slices.desired(pool, inventory.spec, inventory.devices)
 
-def is_registration_socket(name: str, driver: str) -> bool:
-    """Whether `name` is a registration socket `socket_paths` names for `driver`, or a hashed
-    one (whose driver only its GetInfo tells)."""
-    if name.startswith(f"{driver}-") and name.endswith(REGISTRATION_SUFFIX):
-        return True
-    return re.fullmatch(rf"[0-9a-f]{{16}}{re.escape(REGISTRATION_SUFFIX)}", name) is not None
-
-
-def socket_path_problem(config: Flags) -> str | None:
-    """Why this instance's sockets cannot be made, even hashed (a usage error)."""
-    _, dra = socket_paths(config)
-    if len(os.fsencode(dra)) > MAX_SOCKET_PATH_BYTES:
-        return (
-            f"--driver-name: {dra} is longer than the {MAX_SOCKET_PATH_BYTES} bytes of a unix "
-            "socket path; use a shorter driver name or --kubelet-plugins-path"
-        )
-    return None
-
-
-def remove_stale_sockets(config: Flags) -> None:
-    """Sockets of earlier instances of this driver that nothing serves (one that was killed).
-
-    A hashed registration name does not say whose it is; one nothing serves is dead whoever
-    left it, and kubelet's plugin watcher would dial it at every kubelet start."""
-    registry = Path(config.kubelet_registry_path)
-    stale = [
-        path
-        for path in registry.glob(f"*{REGISTRATION_SUFFIX}")
-        if is_registration_socket(path.name, config.driver_name) and path.is_socket()
-    ]
-    stale += [path for path in state_dir(config).glob("dra-*.sock") if path.is_socket()]
-    for path in stale:
-        if not accepts_connections(path):
-            path.unlink(missing_ok=True)
-            log.info("Removed stale socket %s", path)
-
-
-async def serve_once(config: Flags, plugin: DevicePlugin, backoff: Backoff) -> None:
-    """Everything of the mode, until cancelled (supervisor.supervise_resource restarts it
-    after a bug)."""
-    api = kube.open_client(config.kubeconfig)
-    preparer = Preparer(
-        config.driver_name, config.node_name, plugin, state_dir(config),
-        Path(config.cdi_spec_dir), config.instance_name, api.get_claim,
-    )  # fmt: skip
-
-    def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
-        return slices.desired(pool, plugin.spec, plugin.devices)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(watch_health, plugin, config.host_root)
-            nursery.start_soon(
-                slices.publish, api, config.driver_name, config.node_name, wanted,
-                plugin.next_change, plugin.stats,
-            )  # fmt: skip
-            nursery.start_soon(serve_kubelet, config, plugin, preparer)
-    finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
-            await api.close()
-
-
-async def serve_kubelet(config: Flags, plugin: DevicePlugin, preparer: Preparer) -> None:
-    """One generation of sockets after another; faults back to back wait."""
-    registry = Path(config.kubelet_registry_path)
-    restarts = Backoff(immediate_first=True)
-    problem: str | None = None
-    while True:
-        plugin.stats.registered = False
-        plugin.stats.waiting_for = f"waiting for {registry} to be created"
-        await wait_for_directory(registry)
-        plugin.stats.generation += 1
-        plugin.stats.waiting_for = "waiting for kubelet to register the driver"
         try:
-            state_dir(config).mkdir(parents=True, exist_ok=True)
-            remove_stale_sockets(config)
-            preparer.restore_specs()
-            reason = await serve_generation(config, plugin, preparer)
-            fault = False
-            if problem is not None:
-                log.info("Serving for kubelet again, after: %s", problem)
-                problem = None
-        except OSError as exc:
-            reason = (
-                f"cannot serve in {exc.filename or registry}: [Errno {exc.errno}] {exc.strerror}"
-            )
-            fault = True
-            if reason != problem:
-                log.error("%s; retrying", reason)
-            problem = plugin.stats.waiting_for = reason
-        plugin.stats.last_restart_reason = reason
-        log.log(V1, "Serving the DRA sockets again: %s", reason)
-        if fault:
-            plugin.stats.restart_delay = restarts.next_delay()
-            await trio.sleep(plugin.stats.restart_delay)
-        else:
-            restarts.reset()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(watch_health, inventory)
+                nursery.start_soon(
+                    slices.publish, api, config.driver_name, config.node_name, wanted,
+                    lambda: self._changed, self.state,
+                )  # fmt: skip
+                nursery.start_soon(serve_generations, self, bug_backoff)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
+                await api.close()
 
-
-async def serve_generation(config: Flags, plugin: DevicePlugin, preparer: Preparer) -> str:
-    """Serve the DRA socket, then the registration socket, until one goes; say why it ended.
-    OSError when a socket cannot be served (each is removed again as it closes)."""
-    registration_path, dra_path = socket_paths(config)
-    report = on_error(plugin.stats)
-    dra_server = grpc_server.Server(DraService(preparer).methods(), report, idle_client=True)
-    registration = RegistrationService(config.driver_name, str(dra_path), plugin.stats)
-    registration_server = grpc_server.Server(registration.methods(), report)
-    reason = "cancelled"
-    with open_inotify() as inotify:
-        async with trio.open_nursery() as nursery:
-
-            def restart(why: str) -> None:
-                nonlocal reason
-                reason = why
-                nursery.cancel_scope.cancel()
-
-            sockets: list[tuple[Path, Identity]] = []
-            for server, path in ((dra_server, dra_path), (registration_server, registration_path)):
-                listener, own = grpc_server.bind(path)
-                # grpc_server.serve owns the listener from here, and closes it however it ends.
-                await nursery.start(grpc_server.serve, server, listener, path, own)
-                sockets.append((path, own))
-            log.info("Serving DRA driver %s on %s, registration on %s",
-                     config.driver_name, dra_path, registration_path)  # fmt: skip
-            await nursery.start(watch_sockets, inotify, sockets, restart)
-    return reason
+    async def serve_generation(self, generation: Generation) -> None:
+        """Serve the DRA socket, then the registration socket, and watch both (each is removed
+        again as it closes)."""
+        config = self.config
+        state_dir(config).mkdir(parents=True, exist_ok=True)
+        remove_stale_sockets(earlier_sockets(config))
+        self.preparer.restore_specs()
+        self.state.waiting("waiting for kubelet to register the driver")
+        registration_path, dra_path = socket_paths(config)
+        report = self.state.handler_failed
+        registration = RegistrationService(
+            config.driver_name, str(dra_path), self.state, generation.cause
+        )
+        sockets: list[tuple[Path, Identity]] = []
+        for server, path in (
+            (grpc_server.Server(DraService(self.preparer).methods(), report, idle_client=True),
+             dra_path),
+            (grpc_server.Server(registration.methods(), report), registration_path),
+        ):  # fmt: skip
+            listener, own = grpc_server.bind(path)
+            # grpc_server.serve owns the listener from here, and closes it however it ends.
+            await generation.nursery.start(grpc_server.serve, server, listener, path, own)
+            sockets.append((path, own))
+        log.info("Serving DRA driver %s on %s, registration on %s",
+                 config.driver_name, dra_path, registration_path)  # fmt: skip
+        await generation.nursery.start(
+            watch_sockets, generation.inotify, sockets, generation.restart
+        )
 
 
 _GONE = VANISHED | DIR_GONE | Mask.ONLYDIR

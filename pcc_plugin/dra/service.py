@@ -7,26 +7,20 @@ others' devices: kubelet fails only the pods of that claim, and tries them again
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Awaitable, Callable
+from typing import Any
 
-import grpclib.const
-import grpclib.exceptions
-
-from pcc_plugin import wire
+from pcc_plugin import cdi, wire
 from pcc_plugin._proto import pluginregistration as registration
 from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1, v1beta1
 from pcc_plugin.bridge import call_trio
-from pcc_plugin.dra.claims import ClaimRef, PreparedDevice, Preparer
-from pcc_plugin.grpc_server import Call, MethodSpec
+from pcc_plugin.dra.claims import ClaimRef, Preparer
+from pcc_plugin.grpc_server import Call, GRPCError, MethodSpec, Status
 from pcc_plugin.klog import V1
-from pcc_plugin.service import check_message
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
-
-Status = grpclib.const.Status
-GRPCError = grpclib.exceptions.GRPCError
 
 REGISTRATION = "/pluginregistration.Registration/"
 DRA_V1 = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/"
@@ -38,22 +32,12 @@ SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
 MAX_CLAIMS = 128
 
 
-def on_error(stats: ResourceStats) -> Callable[[str, BaseException], None]:
-    """A bug showed in a handler or a connection: say so at every verbosity, and count it."""
-
-    def report(where: str, error: BaseException) -> None:
-        where = where.rpartition("/")[2] or where
-        stats.handler_errors[where] += 1
-        log.error("%s failed unexpectedly", where, exc_info=error)
-
-    return report
-
-
 class RegistrationService:
     """What kubelet asks of the registration socket: who we are, and how registering went."""
 
-    def __init__(self, driver: str, endpoint: str, stats: ResourceStats) -> None:
-        self._stats = stats
+    def __init__(self, driver: str, endpoint: str, state: ResourceState, cause: str) -> None:
+        self._state = state
+        self._cause = cause
         self._driver = driver
         self._info = bytes(
             registration.PluginInfo(
@@ -71,20 +55,19 @@ class RegistrationService:
         }
 
     def get_info(self, data: bytes, call: Call) -> bytes:
-        check_message(data, wire.EMPTY, "InfoRequest")
+        wire.check_request(data, wire.EMPTY, "InfoRequest")
         # Kubelet asks when it finds the socket; the doctor asks too.
         log.log(V1, "Answered GetInfo on the registration socket")
         return self._info
 
     def notify_registration_status(self, data: bytes, call: Call) -> bytes:
-        check_message(data, wire.REGISTRATION_STATUS, "RegistrationStatus")
+        wire.check_request(data, wire.REGISTRATION_STATUS, "RegistrationStatus")
         status = registration.RegistrationStatus.parse(data)
         if status.plugin_registered:
-            self._stats.registered = True
+            self._state.registered_with_kubelet(self._cause)
             log.info("Registered DRA driver %s with kubelet", self._driver)
         else:
-            self._stats.registered = False
-            self._stats.waiting_for = f"kubelet refused the registration: {status.error}"
+            self._state.waiting(f"kubelet refused the registration: {status.error}")
             log.error("Kubelet refused the registration of DRA driver %s: %s", self._driver,
                       status.error)  # fmt: skip
         return b""
@@ -98,63 +81,55 @@ class DraService:
 
     def methods(self) -> dict[str, MethodSpec]:
         methods = {}
-        for service in (DRA_V1, DRA_V1BETA1):
-            methods[service + "NodePrepareResources"] = MethodSpec(self._prepare(service))
-            methods[service + "NodeUnprepareResources"] = MethodSpec(self._unprepare(service))
+        for service, api in ((DRA_V1, v1), (DRA_V1BETA1, v1beta1)):
+            methods[service + "NodePrepareResources"] = MethodSpec(
+                functools.partial(self.prepare, api)
+            )
+            methods[service + "NodeUnprepareResources"] = MethodSpec(
+                functools.partial(self.unprepare, api)
+            )
         return methods
 
-    def _prepare(self, service: str) -> Callable[[bytes, Call], Awaitable[bytes]]:
-        api = v1 if service == DRA_V1 else v1beta1
-
-        async def prepare(data: bytes, call: Call) -> bytes:
-            claims = read_claims(data, "NodePrepareResourcesRequest")
-            answers = await call_trio(self._preparer.prepare, claims)
-            return bytes(
-                api.NodePrepareResourcesResponse(
-                    claims={
-                        uid: (
-                            api.NodePrepareResourceResponse(error=answer)
-                            if isinstance(answer, str)
-                            else api.NodePrepareResourceResponse(
-                                devices=[_device(api, device) for device in answer]
+    async def prepare(self, api: Any, data: bytes, call: Call) -> bytes:
+        claims = read_claims(data, "NodePrepareResourcesRequest")
+        answers = await call_trio(self._preparer.prepare, claims)
+        driver = self._preparer.driver
+        return bytes(
+            api.NodePrepareResourcesResponse(
+                claims={
+                    uid: api.NodePrepareResourceResponse(error=answer)
+                    if isinstance(answer, str)
+                    else api.NodePrepareResourceResponse(
+                        devices=[
+                            api.Device(
+                                request_names=list(device.requests),
+                                pool_name=device.pool,
+                                device_name=device.device,
+                                cdi_device_ids=[cdi.claim_device_id(driver, uid)],
                             )
-                        )
-                        for uid, answer in answers.items()
-                    }
-                )
+                            for device in answer.devices
+                        ]
+                    )
+                    for uid, answer in answers.items()
+                }
             )
+        )
 
-        return prepare
-
-    def _unprepare(self, service: str) -> Callable[[bytes, Call], Awaitable[bytes]]:
-        api = v1 if service == DRA_V1 else v1beta1
-
-        async def unprepare(data: bytes, call: Call) -> bytes:
-            claims = read_claims(data, "NodeUnprepareResourcesRequest")
-            answers = await call_trio(self._preparer.unprepare, claims)
-            return bytes(
-                api.NodeUnprepareResourcesResponse(
-                    claims={
-                        uid: api.NodeUnprepareResourceResponse(error=error or "")
-                        for uid, error in answers.items()
-                    }
-                )
+    async def unprepare(self, api: Any, data: bytes, call: Call) -> bytes:
+        claims = read_claims(data, "NodeUnprepareResourcesRequest")
+        answers = await call_trio(self._preparer.unprepare, claims)
+        return bytes(
+            api.NodeUnprepareResourcesResponse(
+                claims={
+                    uid: api.NodeUnprepareResourceResponse(error=error or "")
+                    for uid, error in answers.items()
+                }
             )
-
-        return unprepare
-
-
-def _device(api: object, device: PreparedDevice) -> object:
-    return api.Device(  # type: ignore[attr-defined]
-        request_names=list(device.requests),
-        pool_name=device.pool,
-        device_name=device.device,
-        cdi_device_ids=list(device.cdi_ids),
-    )
+        )
 
 
 def read_claims(data: bytes, name: str) -> list[ClaimRef]:
-    check_message(data, wire.CLAIMS_REQUEST, name)
+    wire.check_request(data, wire.CLAIMS_REQUEST, name)
     request = v1.NodePrepareResourcesRequest.parse(data)
     if len(request.claims) > MAX_CLAIMS:
         raise GRPCError(Status.INVALID_ARGUMENT, f"{name} has more than {MAX_CLAIMS} claims")

@@ -27,23 +27,23 @@ import attrs
 import trio
 
 from pcc_plugin.dra.kube import Api, RequestFailed, describe_error, status_code
+from pcc_plugin.generations import Backoff, Outage
 from pcc_plugin.klog import V1
-from pcc_plugin.registration import Backoff
 from pcc_plugin.resource import Device, ResourceSpec
-from pcc_plugin.stats import ResourceStats
+from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
 MAX_DEVICES_PER_SLICE = 128
 # After a failed request the next waits this long, doubling to the cap, jittered.
-RETRY_FIRST = 0.5
-RETRY_CAP = 15.0
+API_RETRY_FIRST = 0.5
+API_RETRY_CAP = 15.0
 # An error line while the API server cannot be reached, at most this often.
 REPORT_EVERY = 60.0
 # A watch is renewed (listed again) this often: a connection that died without a word would
 # otherwise hold it forever. client-go's reflectors renew every 5 to 10 minutes.
 WATCH_RENEW = 300.0
-API_VERSION = "resource.k8s.io/v1"
+RESOURCE_API = "resource.k8s.io/v1"
 _MAX_NAME = 253
 
 
@@ -95,7 +95,7 @@ def desired(pool: Pool, spec: ResourceSpec, devices: tuple[Device, ...]) -> list
     ] or [[]]
     return [
         {
-            "apiVersion": API_VERSION,
+            "apiVersion": RESOURCE_API,
             "kind": "ResourceSlice",
             "metadata": {
                 "name": slice_name(pool, index),
@@ -132,7 +132,7 @@ class Publisher:
     api: Api
     pool: Pool
     wanted: Callable[[], list[dict[str, Any]]]
-    stats: ResourceStats
+    state: ResourceState
     # Resource versions of the objects this instance wrote: their watch events are no news.
     _written: set[str] = attrs.Factory(set)
     generation: int = 0
@@ -182,54 +182,36 @@ class Publisher:
             return
 
 
-@attrs.define
-class Outage:
-    """The API server failing, across retries: said once it lasts, not at every retry."""
-
-    since: float | None = None
-    reported_at: float | None = None
-
-    def failed(self, what: str, why: str, stats: ResourceStats) -> None:
-        now = trio.current_time()
-        self.since = now if self.since is None else self.since
-        problem = f"ResourceSlices not published: {what} failed: {why}"
-        stats.slices_problem = problem
-        if self.reported_at is None or now - self.reported_at >= REPORT_EVERY:
-            self.reported_at = now
-            log.error("%s; retrying", problem)
-        else:
-            log.log(V1, "%s; retrying", problem)
-
-    def over(self) -> None:
-        if self.since is not None:
-            log.info("The API server answers again after %.0f s", trio.current_time() - self.since)
-        self.since = self.reported_at = None
-
-
 async def publish(
     api: Api,
     driver: str,
     node: str,
     wanted: Callable[[Pool], list[dict[str, Any]]],
     changed: Callable[[], trio.Event],
-    stats: ResourceStats,
+    state: ResourceState,
 ) -> None:
     """Keep the node's slices as `wanted` says, again whenever `changed()` fires; forever."""
-    backoff = Backoff(first=RETRY_FIRST, cap=RETRY_CAP)
-    outage = Outage()
+    backoff = Backoff(first=API_RETRY_FIRST, cap=API_RETRY_CAP)
+    outage = Outage(
+        log,
+        quiet="{problem}; retrying",
+        loud="{problem}; retrying",
+        back="The API server answers again after {seconds:.0f} s",
+        repeat=REPORT_EVERY,
+    )
     publisher: Publisher | None = None
-    stats.slices_problem = "ResourceSlices not published yet"
+    state.slices_not_published("ResourceSlices not published yet")
     what = f"reading Node {node}"
     while True:
         try:
             if publisher is None:
                 pool = Pool(driver, node, await api.node_uid(node))
-                publisher = Publisher(api, pool, functools.partial(wanted, pool), stats)
+                publisher = Publisher(api, pool, functools.partial(wanted, pool), state)
             what = "publishing ResourceSlices"
             # Taken before the devices are read: a change from here on is not missed.
             change = changed()
             version = await publisher.reconcile()
-            stats.slices_problem = None
+            state.slices_published()
             outage.over()
             backoff.reset()
             what = "watching ResourceSlices"
@@ -244,7 +226,9 @@ async def publish(
             why = describe_error(error)
             if status_code(error) == 404 and publisher is None:
                 why = f"Node {node} does not exist: check --node-name"
-            outage.failed(what, why, stats)
+            problem = f"ResourceSlices not published: {what} failed: {why}"
+            state.slices_not_published(problem)
+            outage.failed(problem)
             await trio.sleep(backoff.next_delay())
 
 

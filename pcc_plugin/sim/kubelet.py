@@ -52,11 +52,11 @@ from pcc_plugin.sim.rules import (
 )
 from pcc_plugin.sim.state import (
     DialError,
+    KubeletResource,
     NoPluginError,
     PluginClient,
     PluginOptions,
     Registration,
-    ResourceState,
     as_is,
     serialize,
 )
@@ -113,7 +113,7 @@ class SimKubelet:
         self.serving_since = 0.0
         self._registrations: list[Registration] = []
         self._events: list[str] = []
-        self._resources: dict[str, ResourceState] = {}
+        self._resources: dict[str, KubeletResource] = {}
         self._clients: set[PluginClient] = set()
         self._pending_dials: set[Any] = set()
         self._planned_failures: collections.deque[str] = collections.deque()
@@ -539,7 +539,7 @@ class SimKubelet:
         """Make ``client``, of registration number ``registration``, the active plugin of its
         resource and start its ListAndWatch stream."""
         client.registration = registration
-        self._resources.setdefault(client.resource, ResourceState()).active = client
+        self._resources.setdefault(client.resource, KubeletResource()).active = client
         self._clients.add(client)
         client.list_and_watch = client.channel.unary_stream(
             LIST_AND_WATCH,

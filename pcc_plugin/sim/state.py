@@ -68,7 +68,7 @@ class PluginClient:
 
 
 @attrs.define
-class ResourceState:
+class KubeletResource:
     devices: dict[str, str] = attrs.Factory(dict)
     messages: int = 0
     active: PluginClient | None = None

@@ -1,0 +1,137 @@
+"""The claims this driver prepared on this node, on the host's disk: read and written here only.
+
+`<state dir>/checkpoint.json`, replaced whole (a temporary file, fsync, rename, fsync of the
+directory) before kubelet hears of a change, so a driver started again (a restart, a
+rollout, a reboot) knows what it prepared. Version 1, the first:
+
+    {"version": 1, "driver": "<driver>", "claims": {"<claim UID>": {
+        "namespace": "...", "name": "...",
+        "devices": [{"requests": ["..."], "pool": "...", "device": "..."}]}}}
+
+A file that is not that (another version, a torn write by hand) is moved aside to
+`checkpoint.json.unreadable`, said, and the driver starts empty. One call at a time, across
+instances too (either pod of a rolling update may be asked): `locked` holds a trio lock and an
+flock of `serialize.lock` beside the file, as upstream's kubeletplugin helper names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+FILE = "checkpoint.json"
+LOCK = "serialize.lock"
+
+
+@attrs.frozen
+class PreparedDevice:
+    """One device of a prepared claim, and the requests of the claim it serves."""
+
+    requests: tuple[str, ...]
+    pool: str
+    device: str
+
+
+@attrs.frozen
+class PreparedClaim:
+    namespace: str
+    name: str
+    devices: tuple[PreparedDevice, ...]
+
+
+Claims = dict[str, PreparedClaim]
+
+
+class Checkpoint:
+    """The prepared claims of `driver`, by claim UID, in `directory`."""
+
+    def __init__(self, directory: Path, driver: str) -> None:
+        self.directory = directory
+        self.driver = driver
+        self._lock = trio.Lock()
+
+    def read(self) -> Claims:
+        path = self.directory / FILE
+        try:
+            document = json.loads(path.read_bytes())
+            return _claims(document)
+        except FileNotFoundError:
+            return {}
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            # Kept aside, not lost: an operator can see what was prepared.
+            aside = path.with_name(f"{FILE}.unreadable")
+            os.replace(path, aside)
+            log.error("Checkpoint %s was unreadable (%s), moved to %s; starting empty",
+                      path, exc, aside)  # fmt: skip
+            return {}
+
+    def write(self, claims: Claims) -> None:
+        document = {
+            "version": VERSION,
+            "driver": self.driver,
+            "claims": {uid: attrs.asdict(claim) for uid, claim in claims.items()},
+        }
+        with tempfile.NamedTemporaryFile(
+            "w", dir=self.directory, prefix=".checkpoint-", delete=False
+        ) as temporary:
+            json.dump(document, temporary, indent=1, sort_keys=True)
+            temporary.flush()
+            os.fsync(temporary.fileno())
+        try:
+            os.replace(temporary.name, self.directory / FILE)
+        except OSError:
+            Path(temporary.name).unlink(missing_ok=True)
+            raise
+        directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    @contextlib.asynccontextmanager
+    async def locked(self) -> AsyncIterator[Claims]:
+        """The claims, read under the lock and written back as the block leaves them (unless
+        it raises); OSError if they cannot be read or written."""
+        async with self._lock:
+            descriptor = os.open(
+                self.directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
+            try:
+                # Another instance holds it only while it writes a few files; a thread waits
+                # for it, and is waited for even when cancelled, so the lock is never leaked.
+                await trio.to_thread.run_sync(fcntl.flock, descriptor, fcntl.LOCK_EX)
+                claims = self.read()
+                yield claims
+                self.write(claims)
+            finally:
+                os.close(descriptor)
+
+
+def _claims(document: Any) -> Claims:
+    """Version 1's claims, typed; ValueError (or a lookup's error) for anything else."""
+    if document.get("version") != VERSION:
+        raise ValueError(f"version {document.get('version')!r}, not {VERSION}")
+    return {
+        str(uid): PreparedClaim(
+            entry["namespace"],
+            entry["name"],
+            tuple(
+                PreparedDevice(tuple(device["requests"]), device["pool"], device["device"])
+                for device in entry["devices"]
+            ),
+        )
+        for uid, entry in document["claims"].items()
+    }

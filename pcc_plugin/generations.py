@@ -1,0 +1,218 @@
+"""The skeleton both modes stand on: one resource, served one generation after another.
+
+A generation serves kubelet on fresh sockets (the device plugin's one, or the DRA driver's
+two) until it is cancelled: kubelet restarted, a socket gone, a fault. Every end goes through
+`Generation.restart`, which keeps the first reason given. Whatever kubelet does is answered at
+once; only the plugin's own faults (a socket it cannot serve, a refused Register) wait,
+`RETRY_FIRST` doubling to `RETRY_CAP`, jittered, and only when they come back to back. A bug
+(an unexpected exception) restarts the resource alone after `BUG_RESTART_FIRST`, doubling to
+`BUG_RESTART_CAP`. Both backoffs forget once the resource has been ready for `STABLE_AFTER`.
+The tree: pcc_plugin/supervisor.py; each mode: `Mode`, below.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+import trio
+from asyncinotify import Inotify
+
+from pcc_plugin.errors import FatalError
+from pcc_plugin.inotify import open_inotify, wait_for_directory
+from pcc_plugin.klog import V1
+from pcc_plugin.state import ResourceState
+
+log = logging.getLogger(__name__)
+
+RETRY_FIRST = 0.02
+RETRY_CAP = 5.0
+BUG_RESTART_FIRST = 1.0
+BUG_RESTART_CAP = 60.0
+STABLE_AFTER = 10.0
+
+
+@attrs.define
+class Backoff:
+    """Capped exponential backoff with jitter, so plugins do not retry in step.
+
+    The first delay is 0 when `immediate_first`: an isolated fault is acted on
+    at once, and only faults back to back wait. `reset` forgets them.
+    """
+
+    first: float = RETRY_FIRST
+    cap: float = RETRY_CAP
+    immediate_first: bool = False
+    rng: random.Random = attrs.Factory(random.Random)
+    attempt: int = 0
+
+    def next_delay(self) -> float:
+        attempt = self.attempt
+        self.attempt += 1
+        if self.immediate_first:
+            if attempt == 0:
+                return 0.0
+            attempt -= 1
+        ceiling = min(self.cap, self.first * 2.0**attempt)
+        jitter: float = self.rng.uniform(0.5, 1.0)
+        return ceiling * jitter
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+@attrs.define
+class Outage:
+    """A peer failing across retries (kubelet, the API server): said at --v=1 while it is
+    younger than `grace`, then as an error at most once per `repeat`, and once when it is over.
+
+    The lines go to the caller's `logger`; they are formats: `quiet` of {problem}, `loud` of
+    {problem} and {seconds}, `back` of {seconds}.
+    """
+
+    logger: logging.Logger
+    quiet: str
+    loud: str
+    back: str
+    grace: float = 0.0
+    repeat: float = 60.0
+    since: float | None = None
+    reported_at: float | None = None
+
+    def failed(self, problem: str) -> None:
+        now = trio.current_time()
+        self.since = now if self.since is None else self.since
+        if now - self.since < self.grace:
+            self.logger.log(V1, "%s", self.quiet.format(problem=problem), stacklevel=2)
+            return
+        due = self.reported_at is None or now - self.reported_at >= self.repeat
+        self.reported_at = now if due else self.reported_at
+        self.logger.log(logging.ERROR if due else V1, "%s",
+                        self.loud.format(problem=problem, seconds=now - self.since),
+                        stacklevel=2)  # fmt: skip
+
+    def over(self) -> None:
+        if self.since is not None and self.reported_at is not None:
+            seconds = trio.current_time() - self.since
+            self.logger.info("%s", self.back.format(seconds=seconds), stacklevel=2)
+        self.since = self.reported_at = None
+
+
+@attrs.define(eq=False)
+class Generation:
+    """One generation: why it began, its nursery (whose cancellation ends it), its resource's
+    inotify instance, and why it ended."""
+
+    nursery: trio.Nursery
+    cause: str
+    inotify: Inotify
+    reason: str | None = None
+    fault: bool = False
+
+    def restart(self, reason: str) -> None:
+        """End this generation; the first reason given is the one kept."""
+        if self.reason is None:
+            self.reason = reason
+        self.nursery.cancel_scope.cancel()
+
+
+class Mode(Protocol):
+    """What the skeleton needs of a mode (plugin.DevicePluginMode, dra.driver.DraMode)."""
+
+    state: ResourceState
+    # Kubelet's directory the generation's sockets go in: waited for before each generation.
+    directory: Path
+    # What a generation serves, as log lines name it.
+    server: str
+
+    async def serve(self, bug_backoff: Backoff) -> None:
+        """Everything of the resource (the inventory's watch, `serve_generations`)."""
+
+    async def serve_generation(self, generation: Generation) -> None:
+        """Start the generation's tasks in its nursery; OSError if its sockets cannot be
+        served."""
+
+
+async def supervise_resource(mode: Mode) -> None:
+    """Serve one resource; if it fails, restart it alone so the others keep serving.
+
+    Only a bug gets here (faults of the node are handled where they happen): it is logged
+    with its traceback.
+    """
+    backoff = Backoff(first=BUG_RESTART_FIRST, cap=BUG_RESTART_CAP)
+    while True:
+        try:
+            await mode.serve(backoff)
+        except Exception as exc:
+            fatal, _ = exc.split(FatalError) if isinstance(exc, ExceptionGroup) else (None, None)
+            if fatal is not None or isinstance(exc, FatalError):
+                raise
+            delay = backoff.next_delay()
+            log.exception("%s failed; restarting it in %.1f s", mode.state.name, delay)
+            await trio.sleep(delay)
+
+
+async def serve_generations(mode: Mode, bug_backoff: Backoff) -> None:
+    """One generation after another. Faults back to back wait, an isolated one does not.
+
+    The inotify instance lasts as long as this does: closing one that has a watch blocks the
+    thread until the kernel has torn the watch down (some 10 ms), and a kubelet restart, which
+    ends a generation, is when every millisecond counts.
+    """
+    restarts = Backoff(immediate_first=True)
+    cause = "start"
+    with open_inotify() as inotify:
+        while True:
+            mode.state.waiting(f"waiting for {mode.directory} to be created")
+            await wait_for_directory(mode.directory)
+            mode.state.generation_started()
+            async with trio.open_nursery() as nursery:
+                generation = Generation(nursery, cause, inotify)
+                try:
+                    await mode.serve_generation(generation)
+                except OSError as exc:
+                    _cannot_serve(mode, generation, exc)
+                else:
+                    problem = mode.state.serving()
+                    if problem is not None:
+                        log.info("Serving in %s again, after: %s", mode.directory, problem)
+                    nursery.start_soon(forget_faults_when_stable, mode.state, restarts, bug_backoff)
+            cause = generation.reason or "cancelled"
+            log.log(V1, "Restarting %s: %s", mode.server, cause)
+            delay = restarts.next_delay() if generation.fault else 0.0
+            mode.state.generation_ended(cause, delay)
+            if delay:
+                await trio.sleep(delay)
+
+
+def _cannot_serve(mode: Mode, generation: Generation, error: OSError) -> None:
+    """A fault of the plugin's own, said once however often it is retried; kubelet's
+    directory gone is not one."""
+    if isinstance(error, FileNotFoundError | NotADirectoryError) and not mode.directory.is_dir():
+        generation.restart(f"{mode.directory} disappeared")
+        return
+    # The directory, not the socket's name: each retry has a fresh name, and the same
+    # problem is said once.
+    problem = f"cannot serve in {mode.directory}: {error}"
+    if mode.state.cannot_serve(problem):
+        log.error("%s; retrying", problem)
+    generation.fault = True
+    generation.restart(problem)
+
+
+async def forget_faults_when_stable(state: ResourceState, *backoffs: Backoff) -> None:
+    """Once the resource has been ready for STABLE_AFTER without a break, the faults before
+    are forgotten."""
+    while True:
+        while state.not_ready_reason() is not None:
+            await state.next_change().wait()
+        with trio.move_on_after(STABLE_AFTER):
+            while state.not_ready_reason() is None:
+                await state.next_change().wait()
+            continue
+        for backoff in backoffs:
+            backoff.reset()
+        return

@@ -1,0 +1,149 @@
+"""What the node has of one resource now, kept in step with it by inotify: both modes' view.
+
+The device nodes and mount sources are watched through their parent directories, because a
+bind mount of a single file or directory pins the old inode and never shows a re-created
+one; the parents are mounted from the host instead. Nothing polls.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+from asyncinotify import Mask
+
+from pcc_plugin.fs import nearest_existing_dir
+from pcc_plugin.inotify import next_events, open_inotify
+from pcc_plugin.resource import Device, DeviceNode, ResourceSpec, take_inventory, watched_paths
+from pcc_plugin.sensitive import OPT_IN, opted_in
+from pcc_plugin.state import ResourceState
+
+log = logging.getLogger(__name__)
+
+_CHANGES = (
+    Mask.CREATE
+    | Mask.DELETE
+    | Mask.MOVED_FROM
+    | Mask.MOVED_TO
+    | Mask.ATTRIB
+    | Mask.DELETE_SELF
+    | Mask.MOVE_SELF
+    | Mask.ONLYDIR
+)
+_ANY_NAME = Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED | Mask.Q_OVERFLOW | Mask.UNMOUNT
+
+
+class Inventory:
+    """One resource's devices as the node has them, looked at again by `refresh`; each change
+    goes to `on_change` (the mode's publisher: the device list kubelet streams, or the
+    ResourceSlices), the first look included."""
+
+    def __init__(
+        self,
+        spec: ResourceSpec,
+        host_root: str,
+        state: ResourceState,
+        on_change: Callable[[tuple[Device, ...]], None] = lambda _: None,
+    ) -> None:
+        self.spec = spec
+        self.host_root = host_root
+        self._state = state
+        self._on_change = on_change
+        # Glob matches seen so far: a gone one stays listed, unhealthy.
+        self._seen: dict[str, DeviceNode] = {}
+        self.devices: tuple[Device, ...] = ()
+        self._by_id: dict[str, Device] = {}
+        # In UTF-8 bytes: a longer ID names no device.
+        self.longest_id = 0
+        for hazard in opted_in(spec):
+            log.warning("%s: %s; containers get it: its entry sets %s", spec.name, hazard, OPT_IN)
+        self.refresh()
+
+    def get(self, device_id: str) -> Device | None:
+        return self._by_id.get(device_id)
+
+    def refresh(self) -> None:
+        """Look at the node again; on any change say why, and pass the whole list on."""
+        devices = take_inventory(self.spec, self.host_root, self._seen)
+        if devices == self.devices:
+            return
+        before = _describe(self.devices) if self.devices else None
+        self.devices = devices
+        self._by_id = {device.id: device for device in devices}
+        self.longest_id = max((len(device.id.encode()) for device in devices), default=0)
+        self._state.devices_seen(devices)
+        now = _describe(devices)
+        if now != before:
+            unhealthy = self._state.unhealthy_devices
+            log.log(logging.WARNING if unhealthy else logging.INFO, "%s: %s", self.spec.name, now)
+        self._on_change(devices)
+
+
+def _describe(devices: tuple[Device, ...]) -> str:
+    problems = sorted({device.problem for device in devices if device.problem})
+    unhealthy = sum(1 for device in devices if device.problem)
+    if not unhealthy:
+        return f"all {len(devices)} devices Healthy"
+    if unhealthy == len(devices) and len(problems) == 1:
+        return f"every device is Unhealthy: {problems[0]}"
+    return f"{unhealthy} of {len(devices)} devices Unhealthy: {'; '.join(problems)}"
+
+
+def _watch_plan(paths: list[Path]) -> tuple[set[Path], list[str]]:
+    """The directories to watch, and name patterns of the entries in them that matter.
+
+    A path's parent is watched; while the parent is missing, the nearest
+    existing ancestor is, for the entry on the way down. A glob's last
+    component is itself a pattern.
+    """
+    directories: set[Path] = set()
+    patterns: list[str] = []
+    for path in paths:
+        directory = nearest_existing_dir(path.parent)
+        directories.add(directory)
+        if directory == path.parent:
+            name = path.name
+            patterns.append(name if glob.has_magic(name) else glob.escape(name))
+        else:
+            patterns.append(glob.escape(path.relative_to(directory).parts[0]))
+    return directories, patterns
+
+
+async def watch_health(
+    inventory: Inventory, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Keep `inventory` in step with its device nodes and mount sources.
+
+    Started after the first look. Each round watches first and looks second,
+    so a change between two rounds is never missed.
+    """
+    paths = [Path(path) for path in watched_paths(inventory.spec, inventory.host_root)]
+    started = False
+    while True:
+        with open_inotify() as inotify:
+            directories, patterns = _watch_plan(paths)
+            try:
+                for directory in directories:
+                    inotify.add_watch(directory, _CHANGES)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # removed between the look and the watch: look again
+            inventory.refresh()
+            if not started:
+                task_status.started()
+                started = True
+            while True:
+                events = await next_events(inotify)
+                # Other entries of /dev come and go all the time: only ours matter.
+                if any(
+                    event.mask & _ANY_NAME
+                    or (
+                        event.name is not None
+                        and any(fnmatch.fnmatchcase(str(event.name), p) for p in patterns)
+                    )
+                    for event in events
+                ):
+                    break

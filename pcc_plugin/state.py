@@ -1,0 +1,221 @@
+"""The daemon's state, in one home: what /readyz, /metrics and SIGUSR1 read.
+
+`DaemonState` is the configuration that runs and the resources served; each resource's
+`ResourceState` changes only through its methods, each named for what happened. Plain
+Python: counting costs nothing more when `--metrics-bind-address` is empty.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import trio
+
+from pcc_plugin.resource import Device, ResourceSpec
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define(eq=False)
+class ResourceState:
+    """One resource: whether it is ready (and why not), and what it has done."""
+
+    name: str
+    # A device plugin is ready only while kubelet's ListAndWatch stream is open; a DRA driver
+    # has no stream, and is ready only while its ResourceSlices are published.
+    needs_stream: bool = True
+    registered: bool = False
+    # Why the resource is not ready, while it is not registered.
+    waiting_for: str = "not registered with kubelet yet"
+    kubelet_stream_open: bool = False
+    # Why the DRA driver's ResourceSlices are not as the node is (None once they are).
+    slices_problem: str | None = None
+    # Why its sockets cannot be served (a filesystem fault), while they cannot.
+    serving_problem: str | None = None
+    # Generations served, why the last one ended, how long the last that ended in a fault
+    # waited before the next, and all such waits together.
+    generation: int = 0
+    last_restart_reason: str = ""
+    restart_delay: float = 0.0
+    backoff_seconds: float = 0.0
+    # Successful registrations, by what made the plugin register; kubelet restarts seen.
+    registrations: collections.Counter[str] = attrs.Factory(collections.Counter)
+    kubelet_restarts: int = 0
+    streams_open: int = 0
+    healthy_devices: int = 0
+    unhealthy_devices: int = 0
+    # Answers by result: Allocate calls (ok, invalid, unavailable); claims of
+    # NodePrepareResources and NodeUnprepareResources (ok, failed).
+    allocations: collections.Counter[str] = attrs.Factory(collections.Counter)
+    prepares: collections.Counter[str] = attrs.Factory(collections.Counter)
+    unprepares: collections.Counter[str] = attrs.Factory(collections.Counter)
+    # Unexpected errors in gRPC handlers and connections, by where.
+    handler_errors: collections.Counter[str] = attrs.Factory(collections.Counter)
+    _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
+
+    def not_ready_reason(self) -> str | None:
+        if not self.registered:
+            return self.waiting_for
+        if self.needs_stream and not self.kubelet_stream_open:
+            return "registered, but kubelet's ListAndWatch stream is not open"
+        return self.slices_problem
+
+    def next_change(self) -> trio.Event:
+        """Set at the next change of what readiness depends on."""
+        return self._changed
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # Serving and registering
+
+    def waiting(self, reason: str) -> None:
+        """Not registered (any more), for this reason."""
+        self.registered = False
+        self.waiting_for = reason
+        self._notify()
+
+    def registered_with_kubelet(self, cause: str) -> None:
+        self.registered = True
+        self.registrations[cause] += 1
+        self._notify()
+
+    def kubelet_restarted(self) -> None:
+        self.kubelet_restarts += 1
+
+    def generation_started(self) -> None:
+        self.generation += 1
+
+    def generation_ended(self, reason: str, delay: float) -> None:
+        """It ended for `reason`; the next waits `delay` (after a fault of the plugin's own)."""
+        self.last_restart_reason = reason
+        if delay:
+            self.restart_delay = delay
+            self.backoff_seconds += delay
+
+    def cannot_serve(self, problem: str) -> bool:
+        """Whether the problem is new (a retry of the same one is not said again)."""
+        new = problem != self.serving_problem
+        self.serving_problem = problem
+        self.waiting(problem)
+        return new
+
+    def serving(self) -> str | None:
+        """The problem that kept the sockets from being served until now, if one did."""
+        problem, self.serving_problem = self.serving_problem, None
+        return problem
+
+    def stream_opened(self, kubelets: bool) -> None:
+        self.streams_open += 1
+        if kubelets:
+            self.kubelet_stream_open = True
+            self._notify()
+
+    def stream_closed(self, kubelets: bool) -> None:
+        self.streams_open -= 1
+        if kubelets:
+            self.kubelet_stream_open = False
+            self._notify()
+
+    def slices_published(self) -> None:
+        self.slices_problem = None
+        self._notify()
+
+    def slices_not_published(self, problem: str) -> None:
+        self.slices_problem = problem
+        self._notify()
+
+    # What the node has, and kubelet's calls
+
+    def devices_seen(self, devices: tuple[Device, ...]) -> None:
+        self.unhealthy_devices = sum(1 for device in devices if device.problem)
+        self.healthy_devices = len(devices) - self.unhealthy_devices
+
+    def allocated(self, result: str) -> None:
+        self.allocations[result] += 1
+
+    def prepared(self, result: str, claims: int = 1) -> None:
+        self.prepares[result] += claims
+
+    def unprepared(self, result: str, claims: int = 1) -> None:
+        self.unprepares[result] += claims
+
+    def handler_failed(self, where: str, error: BaseException) -> None:
+        """A bug showed in a gRPC handler or connection (`where`, a method's path or
+        "connection"): said with its traceback at every verbosity, and counted."""
+        where = where.rpartition("/")[2] or where
+        self.handler_errors[where] += 1
+        log.error("%s: %s failed unexpectedly", self.name, where, exc_info=error)
+
+    def describe(self) -> list[str]:
+        """Its lines in SIGUSR1's dump."""
+        return [
+            f"Resource {self.name}: registered={self.registered} "
+            f"kubelet_stream_open={self.kubelet_stream_open} "
+            f"generation={self.generation} restart_delay={self.restart_delay:.3f}s "
+            f"last_restart_reason={self.last_restart_reason or '-'} "
+            f"not_ready={self.not_ready_reason() or '-'}",
+            f"  counters {self.name}: registrations={dict(sorted(self.registrations.items()))} "
+            f"kubelet_restarts={self.kubelet_restarts} "
+            f"allocations={dict(sorted(self.allocations.items()))} "
+            f"handler_errors={dict(sorted(self.handler_errors.items()))} "
+            f"devices={self.healthy_devices} healthy, {self.unhealthy_devices} unhealthy "
+            f"streams_open={self.streams_open}",
+        ]
+
+
+@attrs.define(eq=False)
+class DaemonState:
+    """The configuration that runs (`generation` counts those applied, the first being 1) and
+    the resources served."""
+
+    specs: list[ResourceSpec]
+    path: Path | None
+    digest: str
+    generation: int = 1
+    last_reload_failed: bool = False
+    resources: list[ResourceState] = attrs.Factory(list)
+
+    @contextlib.contextmanager
+    def serving(self, resource: ResourceState) -> Iterator[None]:
+        """While `resource` is served: /readyz, /metrics and SIGUSR1 show it."""
+        self.resources.append(resource)
+        try:
+            yield
+        finally:
+            self.resources.remove(resource)
+
+    def reload_applied(self, specs: list[ResourceSpec], digest: str) -> None:
+        self.specs, self.digest = specs, digest
+        self.generation += 1
+        self.last_reload_failed = False
+
+    def reload_unchanged(self) -> None:
+        self.last_reload_failed = False
+
+    def reload_refused(self) -> None:
+        self.last_reload_failed = True
+
+    def not_ready(self) -> list[str]:
+        """For /readyz: `<resource>: <why>`, one for each resource that is not ready."""
+        return [
+            f"{resource.name}: {reason}"
+            for resource in self.resources
+            if (reason := resource.not_ready_reason())
+        ]
+
+    def describe(self) -> list[str]:
+        """The configuration and each resource, as SIGUSR1 writes them to the log."""
+        lines = [
+            f"Configuration {self.generation} from {self.path or 'flags'} (hash {self.digest}"
+            f"{', last reload failed' if self.last_reload_failed else ''})"
+        ]
+        for resource in self.resources:
+            lines.extend(resource.describe())
+        return lines

@@ -1,0 +1,139 @@
+"""The shared skeleton's decisions, on trio's MockClock: a resource failing leaves the others
+be; faults back to back wait and are forgotten once the resource is ready for a while."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from pcc_plugin.errors import FatalError
+from pcc_plugin.generations import (
+    STABLE_AFTER,
+    Backoff,
+    Generation,
+    forget_faults_when_stable,
+    serve_generations,
+    supervise_resource,
+)
+from pcc_plugin.state import ResourceState
+
+
+@attrs.define
+class FakeMode:
+    """A mode whose serving fails as told: `serve` with `bug` the first `failures` times,
+    `serve_generation` with `fault` (an OSError) the first `faults` times."""
+
+    state: ResourceState
+    directory: Path
+    failures: int = 0
+    bug: Exception = attrs.Factory(lambda: RuntimeError("boom"))
+    faults: int = 0
+    server: str = "the fake server"
+    served: list[float] = attrs.Factory(list)
+    generations: list[tuple[float, str]] = attrs.Factory(list)
+
+    async def serve(self, bug_backoff: Backoff) -> None:
+        self.served.append(trio.current_time())
+        if len(self.served) <= self.failures:
+            raise self.bug
+        await serve_generations(self, bug_backoff)
+
+    async def serve_generation(self, generation: Generation) -> None:
+        self.generations.append((trio.current_time(), generation.cause))
+        if len(self.generations) <= self.faults:
+            raise PermissionError(13, "Permission denied")
+        generation.nursery.start_soon(trio.sleep_forever)
+
+
+async def test_a_failing_resource_is_restarted_alone(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = FakeMode(ResourceState("example.com/broken"), tmp_path, failures=2)
+    healthy = FakeMode(ResourceState("example.com/healthy"), tmp_path)
+    with trio.move_on_after(600):
+        async with trio.open_nursery() as nursery:
+            for mode in (broken, healthy):
+                nursery.start_soon(supervise_resource, mode)
+    first, second, third = broken.served
+    assert 0.5 <= second - first <= 1.0  # backoff: 1 s with jitter
+    assert 1.0 <= third - second <= 2.0
+    assert len(healthy.served) == 1  # never disturbed
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2
+    assert errors[0].startswith("example.com/broken failed; restarting it in")
+
+
+async def test_a_fatal_error_in_a_resource_stops_the_daemon(tmp_path: Path) -> None:
+    mode = FakeMode(ResourceState("x"), tmp_path, failures=1, bug=FatalError("no socket"))
+    with pytest.raises(FatalError):
+        await supervise_resource(mode)
+
+
+async def test_faults_back_to_back_wait_and_are_said_once(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An isolated fault is acted on at once; then 20 ms doubling; one error line for all."""
+    caplog.set_level(logging.INFO)
+    mode = FakeMode(ResourceState("x"), tmp_path, faults=6)
+    with trio.move_on_after(60):
+        await serve_generations(mode, Backoff())
+    times = [at for at, _ in mode.generations]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    assert gaps[0] == 0
+    for gap, ceiling in zip(gaps[1:], (0.02, 0.04, 0.08, 0.16, 0.32), strict=True):
+        assert ceiling / 2 <= gap <= ceiling
+    problem = f"cannot serve in {tmp_path}: [Errno 13] Permission denied"
+    assert mode.generations[-1][1] == problem
+    assert mode.state.backoff_seconds == pytest.approx(sum(gaps))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"{problem}; retrying"
+    ]
+    assert f"Serving in {tmp_path} again, after: {problem}" in caplog.text
+
+
+async def test_faults_are_forgotten_once_the_resource_has_been_ready_a_while(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    state = ResourceState("x", needs_stream=False)
+    backoff = Backoff(immediate_first=True)
+    for _ in range(3):
+        backoff.next_delay()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(forget_faults_when_stable, state, backoff)
+        await trio.sleep(STABLE_AFTER * 2)
+        state.registered_with_kubelet("start")
+        # Ready, but not for long enough: nothing is forgotten.
+        await trio.sleep(STABLE_AFTER / 2)
+        state.waiting("kubelet went away")
+        await trio.sleep(STABLE_AFTER * 2)
+        assert backoff.attempt == 3
+        state.registered_with_kubelet("start")
+        await trio.sleep(STABLE_AFTER + 1)
+        assert backoff.attempt == 0
+
+
+def test_backoff_doubles_with_jitter_up_to_the_cap() -> None:
+    backoff = Backoff(first=0.1, cap=2.0, rng=random.Random(7))
+    delays = [backoff.next_delay() for _ in range(10)]
+    ceilings = [min(2.0, 0.1 * 2**n) for n in range(10)]
+    for delay, ceiling in zip(delays, ceilings, strict=True):
+        assert ceiling / 2 <= delay <= ceiling
+    assert len(set(delays)) == len(delays)
+
+
+def test_backoff_acts_at_once_on_an_isolated_fault_and_forgets_on_reset() -> None:
+    backoff = Backoff(first=0.02, cap=5.0, immediate_first=True, rng=random.Random(3))
+    assert backoff.next_delay() == 0
+    assert 0.01 <= backoff.next_delay() <= 0.02
+    assert 0.02 <= backoff.next_delay() <= 0.04
+    for _ in range(20):
+        assert backoff.next_delay() <= 5.0
+    backoff.reset()
+    assert backoff.next_delay() == 0
