@@ -42,7 +42,8 @@ CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin")) 
 NAME = "localhost/pcc-device-plugin"
 BASE_NAME = "localhost/pcc-device-plugin-base"
 
-SUITE = "bookworm"
+# Debian 13: its python3 is 3.13. The bases of another suite (main's bookworm ones) are keyed apart.
+SUITE = "trixie"
 PACKAGES = "python3,python3-venv"
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What this machine trusts and how it reaches the package index: only for the base of this
