@@ -309,7 +309,7 @@ def image(session: nox.Session) -> None:
 def _image_inputs() -> list[Path]:
     """What the Containerfile copies (see .containerignore), and the Containerfile itself."""
     files = [ROOT / name for name in ("Containerfile", "pyproject.toml", "README.md")]
-    files.append(ROOT / "requirements" / "runtime.txt")
+    files += [ROOT / "requirements" / "runtime.txt", ROOT / "tools" / "runtime_root.py"]
     files += (
         p for p in (ROOT / "pcc_plugin").rglob("*") if p.is_file() and "__pycache__" not in p.parts
     )

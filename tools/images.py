@@ -173,6 +173,27 @@ def elf_arch(path: Path) -> Arch | None:
     )
 
 
+def elf_interpreter(path: Path) -> str | None:
+    """The program interpreter (PT_INTERP) that a 64-bit ELF program names, None if none."""
+    with path.open("rb") as f:
+        header = f.read(64)
+        if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2:
+            return None
+        order: Literal["little", "big"] = "little" if header[5] == 1 else "big"
+        phoff = int.from_bytes(header[32:40], order)
+        size, count = int.from_bytes(header[54:56], order), int.from_bytes(header[56:58], order)
+        f.seek(phoff)
+        table = f.read(size * count)
+        for start in range(0, len(table) - size + 1, size):
+            entry = table[start : start + size]
+            if int.from_bytes(entry[0:4], order) == 3:  # PT_INTERP
+                offset = int.from_bytes(entry[8:16], order)
+                length = int.from_bytes(entry[32:40], order)
+                f.seek(offset)
+                return f.read(length).rstrip(b"\0").decode()
+    return None
+
+
 # Bases.
 
 

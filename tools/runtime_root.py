@@ -3,11 +3,13 @@
 The Containerfile's build stage runs this with the target platform's base mounted read-only at
 BASE. It only reads files, so it runs on the building machine's platform for every target:
 
-    python3 runtime_root.py BASE ROOT
+    python3 runtime_root.py BASE ROOT VENV
 
 From BASE's dpkg database it takes the packages of the interpreter that /usr/bin/python3 names
-(python3.X-minimal, libpython3.X-stdlib) and base-files (/etc/os-release, by which scanners
-know the distribution), and what they depend on (Depends and Pre-Depends, recursively), and
+(python3.X-minimal, libpython3.X-stdlib), base-files (/etc/os-release, by which scanners know
+the distribution), those with the libraries that the compiled modules of the virtual
+environment VENV link (manylinux wheels may link libstdc++, which Python does not), and what
+they depend on (Depends and Pre-Depends, recursively), and
 copies their files into ROOT as dpkg lists them, less documentation (the copyright file stays:
 it carries the licence, which scanners read) and less every program but the interpreter. A
 package left with nothing but documentation is left out whole, and so are its dependencies
@@ -31,10 +33,13 @@ import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Literal, NoReturn
 
+# Documentation, and the debuggers' helpers (libstdc++'s Python scripts for gdb).
 DOCUMENTATION = (
     "/usr/share/doc/",
+    "/usr/share/gdb/",
+    "/usr/share/gcc/",
     "/usr/share/doc-base/",
     "/usr/share/man/",
     "/usr/share/info/",
@@ -48,7 +53,7 @@ STATUS_D = "var/lib/dpkg/status.d"
 FOR_MAINTAINER_SCRIPTS = {"debconf", "cdebconf"}
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"runtime_root: {message}", file=sys.stderr)
     raise SystemExit(1)
 
@@ -114,7 +119,7 @@ class Base:
         links (Debian's /lib -> usr/lib and the like), which the root needs too."""
         current = PurePosixPath("/")
         parts = list(path.parts[1:])
-        links = []
+        links: list[PurePosixPath] = []
         for _ in range(64):
             if len(parts) <= 1:
                 return current.joinpath(*parts), links
@@ -125,7 +130,6 @@ class Base:
                 parts = [*target.parts[1 if target.is_absolute() else 0 :], *parts]
                 current = PurePosixPath("/") if target.is_absolute() else current.parent
         fail(f"{path}: too many symbolic links in BASE_IMAGE")
-        raise AssertionError
 
 
 def is_program(path: Path) -> bool:
@@ -153,6 +157,42 @@ def is_program(path: Path) -> bool:
         f.seek(phoff)
         headers = f.read(size * count)
     return any(int.from_bytes(headers[i : i + 4], order) == 3 for i in range(0, len(headers), size))
+
+
+def needed(path: Path) -> list[str]:
+    """The libraries (DT_NEEDED) that a 64-bit ELF shared object or program links."""
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return []
+    order: Literal["little", "big"] = "little" if data[5] == 1 else "big"
+
+    def number(offset: int, size: int) -> int:
+        return int.from_bytes(data[offset : offset + size], order)
+
+    phoff, size, count = number(32, 8), number(54, 2), number(56, 2)
+    segments = [phoff + i * size for i in range(count)]
+    # (virtual address, file offset, size) of each PT_LOAD, to find the string table.
+    loads = [(number(h + 16, 8), number(h + 8, 8), number(h + 32, 8)) for h in segments
+             if number(h, 4) == 1]  # fmt: skip
+    dynamic = next((h for h in segments if number(h, 4) == 2), None)  # PT_DYNAMIC
+    if dynamic is None:
+        return []
+    entries = [
+        (number(at, 8), number(at + 8, 8))
+        for at in range(
+            number(dynamic + 8, 8), number(dynamic + 8, 8) + number(dynamic + 32, 8), 16
+        )
+    ]
+    strtab = next(value for tag, value in entries if tag == 5)  # DT_STRTAB, an address
+    offset = next(o + strtab - a for a, o, n in loads if a <= strtab < a + n)
+    names = []
+    for tag, value in entries:
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 1:  # DT_NEEDED
+            end = data.index(b"\0", offset + value)
+            names.append(data[offset + value : end].decode())
+    return names
 
 
 def is_loader(path: PurePosixPath) -> bool:
@@ -241,7 +281,27 @@ def dangling(root: Path, link: Path) -> bool:
     return True
 
 
-def main(base_path: Path, root: Path) -> None:
+def libraries_for(base: Base, environment: Path) -> list[str]:
+    """The packages of `base` that have the libraries that the compiled modules of the virtual
+    environment `environment` link and do not bring themselves (libstdc++ for C++ ones)."""
+    objects = [p for p in environment.rglob("*.so*") if p.is_file() and not p.is_symlink()]
+    bundled = {p.name for p in environment.rglob("*.so*")}
+    wanted = {name for p in objects for name in needed(p)} - bundled
+    owners: dict[str, str] = {}
+    for name in sorted(base.packages):
+        for line in base.info(name, "list").read_text().splitlines():
+            if "/lib" in line and PurePosixPath(line).name in wanted:
+                owners.setdefault(PurePosixPath(line).name, name)
+    missing = sorted(wanted - set(owners))
+    if missing:
+        fail(
+            f"the virtual environment's compiled modules link {', '.join(missing)}, which no "
+            "package of BASE_IMAGE has: install the package that has it in BASE_IMAGE"
+        )
+    return sorted(set(owners.values()))
+
+
+def main(base_path: Path, root: Path, environment: Path) -> None:
     base = Base(base_path)
     python3 = base.host(PurePosixPath("/usr/bin/python3"))
     if not python3.is_symlink() or not re.fullmatch(r"python3\.\d+", os.readlink(python3)):
@@ -258,6 +318,7 @@ def main(base_path: Path, root: Path) -> None:
     if missing:
         fail(f"BASE_IMAGE lacks {', '.join(missing)} (Debian's python3 and base-files)")
     interpreter = PurePosixPath(f"/usr/bin/python{version}")
+    roots += libraries_for(base, environment)
 
     included: dict[str, list[Entry]] = {}
     seen: set[str] = set()
@@ -288,6 +349,6 @@ def main(base_path: Path, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        fail("usage: runtime_root.py BASE ROOT")
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    if len(sys.argv) != 4:
+        fail("usage: runtime_root.py BASE ROOT VENV")
+    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
