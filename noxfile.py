@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import os
 import re
@@ -210,13 +211,13 @@ def _uv() -> str:
 def _image_tools_missing() -> str | None:
     missing = [
         tool
-        for tool in ("podman", "debootstrap", "unshare", "chroot", "kubectl")
+        for tool in ("podman", "debootstrap", "unshare", "chroot", "nsenter", "ip", "kubectl", "go")
         if shutil.which(tool) is None
     ]
     if os.geteuid() != 0 or missing:
         return (
-            "needs root and podman, debootstrap, unshare, chroot, kubectl (.ci/run installs "
-            f"them); missing: {', '.join(missing) or 'root'}"
+            "needs root and podman, debootstrap, unshare, chroot, nsenter, ip, kubectl, and Go "
+            f"for the SBOM tool (.ci/run installs them); missing: {', '.join(missing) or 'root'}"
         )
     return None
 
@@ -240,7 +241,8 @@ def _image_arches(session: nox.Session) -> list[images.Arch]:
 
 @nox.session(venv_backend="none")
 def image_bases(session: nox.Session) -> None:
-    """Only the debootstrapped bases of `nox -s image`, for CI to start early, in the background.
+    """Only the debootstrapped bases of `nox -s image` and its SBOM tool (syft, built with Go),
+    for CI to start early, in the background; each is cached.
 
     Partly download and partly emulated, they can use the core the test suite leaves idle.
     """
@@ -250,8 +252,11 @@ def image_bases(session: nox.Session) -> None:
     started = time.monotonic()
     arches = _image_arches(session)
     assert images.NATIVE is not None
-    images.base_images([images.NATIVE, *arches], session.log)
-    session.log(f"bases ready after {time.monotonic() - started:.0f} s")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        tool = pool.submit(images.sbom_tool, session.log)
+        images.base_images([images.NATIVE, *arches], session.log)
+        session.log(f"bases ready after {time.monotonic() - started:.0f} s")
+        session.log(f"SBOM tool {tool.result()} ready after {time.monotonic() - started:.0f} s")
 
 
 @nox.session
@@ -260,8 +265,9 @@ def image(session: nox.Session) -> None:
 
     The Containerfile, once per architecture (PCC_IMAGE_ARCHES, comma-separated; all four by
     default) on a local debootstrapped base of that architecture (cached, see tools/images.py).
-    tests/test_image.py checks each image's contents and architecture and starts the plugin from
-    its filesystem against the simulated kubelet. Leaves build/images/*.tar, the images and the
+    tests/test_image.py checks each image's contents, its SBOM and its architecture, and starts
+    the plugin from its filesystem against the simulated kubelet. Leaves build/images/*.tar with
+    an SPDX SBOM beside each (*.spdx.json, written by syft from the archive), the images and the
     manifest list localhost/pcc-device-plugin:<version> in podman's store; removes the build's
     intermediate images.
     """
@@ -274,16 +280,18 @@ def image(session: nox.Session) -> None:
     assert images.NATIVE is not None
     bases = images.base_images([images.NATIVE, *arches], session.log)
     session.log(f"bases ready after {time.monotonic() - started:.0f} s")
+    sbom_tool = images.sbom_tool(session.log)
     images.remove_manifest_list()
     tags = {}
     with images.removing_intermediates(arches):
         for arch in arches:
             tags[arch] = images.build(arch, bases, session.run)
             archive = images.save_archive(arch)
+            sbom = images.write_sbom(arch, sbom_tool)
             session.log(
-                f"image {arch.name}: {tags[arch]}, {images.size(tags[arch]) / 1e6:.0f} MB "
-                f"(base {images.size(bases[arch]) / 1e6:.0f} MB); "
-                f"{archive.relative_to(ROOT)} {archive.stat().st_size / 1e6:.0f} MB"
+                f"image {arch.name}: {tags[arch]}, {images.size(tags[arch]) / 1e6:.1f} MB; "
+                f"{archive.relative_to(ROOT)} {archive.stat().st_size / 1e6:.1f} MB; "
+                f"SBOM {sbom.relative_to(ROOT)}"
             )
     session.log(f"images built after {time.monotonic() - started:.0f} s")
     name = images.publish_manifest_list(arches)

@@ -40,6 +40,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from subprocess import CompletedProcess
@@ -437,6 +438,46 @@ def test_python_distributions_are_the_lock(arch: images.Arch, rootfs: Path) -> N
         if not marker or Marker(marker.strip()).evaluate(environment)
     }
     assert python_distributions(rootfs) == {**pinned, NAME: project_version()}
+
+
+def sbom_packages(sbom: Obj) -> dict[str, dict[str, str]]:
+    """Package URL type (deb, pypi) -> name -> version, of every package the SBOM lists."""
+    found: dict[str, dict[str, str]] = {}
+    for package in sbom["packages"]:
+        for ref in package.get("externalRefs", []):
+            if ref["referenceType"] == "purl":
+                purl = urllib.parse.urlsplit(ref["referenceLocator"])
+                kind, _, name_version = purl.path.partition("/")
+                name, _, version = name_version.rpartition("@")
+                found.setdefault(kind, {})[urllib.parse.unquote(name.rpartition("/")[2])] = (
+                    urllib.parse.unquote(version)
+                )
+    return found
+
+
+def test_sbom_lists_exactly_the_images_packages(
+    arch: images.Arch, inspected: Obj, rootfs: Path
+) -> None:
+    """The SPDX SBOM beside the image's archive (written by `nox -s image` from that archive)
+    names this image and lists every Debian package recorded in it and every Python
+    distribution in it, with their versions, and nothing else of those kinds."""
+    path = images.sbom_path(arch)
+    assert path.exists(), f"no SBOM beside the image: {path}"
+    sbom = json.loads(path.read_text())
+    assert sbom["spdxVersion"] == "SPDX-2.3"
+    assert inspected["Id"].removeprefix("sha256:") in path.read_text(), "another image's SBOM"
+    listed = sbom_packages(sbom)
+    debian = {name: fields["Version"] for name, fields in dpkg_records(rootfs).items()}
+    assert listed.get("deb") == debian
+    assert listed.get("pypi") == python_distributions(rootfs)
+    # Each Debian package as the image's architecture has it (or for all architectures).
+    arches = {
+        urllib.parse.parse_qs(urllib.parse.urlsplit(ref["referenceLocator"]).query)["arch"][0]
+        for package in sbom["packages"]
+        for ref in package.get("externalRefs", [])
+        if ref["referenceType"] == "purl" and ref["referenceLocator"].startswith("pkg:deb/")
+    }
+    assert arches <= {arch.debian, "all"}, arches
 
 
 def test_size(rootfs: Path) -> None:

@@ -366,6 +366,79 @@ def _base_images(arches: list[Arch], log: Log) -> dict[Arch, str]:
     return refs
 
 
+# The SBOM tool: syft (Anchore), built from its module with Go, once per version of syft and of
+# Go, into the cache; the Go module proxy (GOPROXY) is where it comes from.
+
+SYFT = "github.com/anchore/syft/cmd/syft"
+SYFT_VERSION = "v1.57.2"
+TOOLS = CACHE.parent / "tools"
+
+
+def _go() -> str:
+    go = shutil.which("go")
+    if go is None:
+        raise RuntimeError("the SBOM tool (syft) is built with Go: `go` is not on PATH")
+    return go
+
+
+def sbom_tool(log: Log) -> Path:
+    """syft's binary, built when it is not in the cache (a few minutes of CPU, once)."""
+    go = _go()
+    go_version = subprocess.run(
+        [go, "env", "GOVERSION"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    binary = TOOLS / f"syft-{SYFT_VERSION}-{go_version}" / "syft"
+    if binary.exists():
+        return binary
+    TOOLS.mkdir(parents=True, exist_ok=True)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    with _locked(TOOLS / ".lock", log):
+        if binary.exists():
+            return binary
+        started = time.monotonic()
+        log_file = LOGS / "sbom-tool.log"
+        log_file.unlink(missing_ok=True)
+        with tempfile.TemporaryDirectory(dir=TOOLS) as tmp:
+            env = {**os.environ, "GOBIN": tmp}
+            with log_file.open("ab") as out:
+                result = subprocess.run(
+                    [go, "install", f"{SYFT}@{SYFT_VERSION}"],
+                    stdout=out, stderr=subprocess.STDOUT, env=env, check=False,
+                )  # fmt: skip
+            if result.returncode != 0:
+                tail = log_file.read_text(errors="replace").splitlines()[-10:]
+                raise RuntimeError(f"go install {SYFT}@{SYFT_VERSION} failed:\n" + "\n".join(tail))
+            binary.parent.mkdir(exist_ok=True)
+            os.replace(Path(tmp) / "syft", binary)
+        for stale in TOOLS.glob("syft-*"):
+            if stale != binary.parent:
+                shutil.rmtree(stale, ignore_errors=True)
+        log(f"SBOM tool: syft {SYFT_VERSION} built in {time.monotonic() - started:.0f} s")
+    return binary
+
+
+def sbom_path(arch: Arch) -> Path:
+    """The SBOM beside the image's archive."""
+    return ARCHIVES / f"pcc-device-plugin-linux-{arch.name}.spdx.json"
+
+
+def write_sbom(arch: Arch, tool: Path) -> Path:
+    """An SPDX 2.3 JSON SBOM of the saved archive (what a node gets): every Debian package that
+    status.d records and every Python distribution, with their versions."""
+    target = sbom_path(arch)
+    partial = target.with_suffix(".partial")
+    subprocess.run(
+        [str(tool), "scan", "--quiet", f"docker-archive:{archive_path(arch)}",
+         "--source-name", "pcc-device-plugin", "--source-version", version(),
+         "--output", f"spdx-json={partial}"],
+        check=True,
+        # Nothing from the network: no check for a newer syft.
+        env={**os.environ, "SYFT_CHECK_FOR_APP_UPDATE": "false"},
+    )  # fmt: skip
+    os.replace(partial, target)
+    return target
+
+
 # Images.
 
 
