@@ -342,15 +342,17 @@ def test_nothing_but_the_plugin(config: Obj, rootfs: Path) -> None:
     assert not [p for p in walk(rootfs) if p.suffix in (".whl", ".deb")]
 
 
-def test_debian_13(rootfs: Path) -> None:
-    """Debian 13's Python 3.13, and what scanners read to know the distribution."""
+def test_debian_release(arch: images.Arch, rootfs: Path) -> None:
+    """The suite's Debian release and its Python (Debian 13's 3.13 where the archive serves
+    it, tools/images.py says which), and what scanners read to know the distribution."""
+    release, python = images.RELEASES[images.suite(arch)]
     os_release = dict(
         line.split("=", 1)
         for line in in_image(rootfs, "/etc/os-release").read_text().splitlines()
         if "=" in line
     )
-    assert (os_release["ID"], os_release["VERSION_ID"]) == ("debian", '"13"')
-    assert in_image(rootfs, f"{VENV}/bin/python") == rootfs / "usr/bin/python3.13"
+    assert (os_release["ID"], os_release["VERSION_ID"]) == ("debian", f'"{release}"')
+    assert in_image(rootfs, f"{VENV}/bin/python") == rootfs / f"usr/bin/python{python}"
 
 
 def dpkg_records(rootfs: Path) -> dict[str, dict[str, str]]:

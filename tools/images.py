@@ -42,8 +42,15 @@ CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin")) 
 NAME = "localhost/pcc-device-plugin"
 BASE_NAME = "localhost/pcc-device-plugin-base"
 
-# Debian 13: its python3 is 3.13. The bases of another suite (main's bookworm ones) are keyed apart.
-SUITE = "trixie"
+# Debian 13 (trixie, Python 3.13) for each architecture, but where the Debian archive that these
+# machines reach lacks its current files: it serves trixie's point release 13.8 for amd64 and
+# arm64, but not for ppc64el and s390x (libc6, zlib1g, libexpat1, openssl... answer 404), so
+# those two stay on Debian 12 (bookworm, Python 3.11) until it does. PCC_IMAGE_SUITE names one
+# suite for all four. Each image's build stage runs on this machine's base of the same suite: the
+# two Pythons must be one version. Bases of each suite are keyed apart.
+SUITES = {"amd64": "trixie", "arm64": "trixie", "ppc64le": "bookworm", "s390x": "bookworm"}
+# The Debian release (/etc/os-release's VERSION_ID) and Python of each suite.
+RELEASES = {"bookworm": ("12", "3.11"), "trixie": ("13", "3.13")}
 PACKAGES = "python3,python3-venv"
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What this machine trusts and how it reaches the package index: only for the base of this
@@ -197,15 +204,28 @@ def elf_interpreter(path: Path) -> str | None:
 # Bases.
 
 
-def _base_key(arch: Arch) -> str:
-    digest = hashlib.sha256(f"v{RECIPE} {SUITE} {arch.debian} minbase {PACKAGES}".encode())
+def suite(arch: Arch) -> str:
+    """The Debian suite of `arch`'s image: SUITES, or PCC_IMAGE_SUITE for every architecture."""
+    chosen = os.environ.get("PCC_IMAGE_SUITE") or SUITES[arch.name]
+    if chosen not in RELEASES:
+        raise ValueError(f"PCC_IMAGE_SUITE={chosen}: known suites are {', '.join(RELEASES)}")
+    return chosen
+
+
+# A base: a suite for an architecture.
+Base = tuple[str, Arch]
+
+
+def _base_key(base: Base) -> str:
+    suite_name, arch = base
+    digest = hashlib.sha256(f"v{RECIPE} {suite_name} {arch.debian} minbase {PACKAGES}".encode())
     if arch == NATIVE:
         digest.update(f"build stage's base {UV_TOML!r}".encode())
         for ca in _extra_cas():
             digest.update(ca.name.encode() + b"\0" + ca.read_bytes())
         if PIP_CONF.exists():
             digest.update(b"pip.conf\0" + PIP_CONF.read_bytes())
-    return f"{SUITE}-{arch.name}-{digest.hexdigest()[:12]}"
+    return f"{suite_name}-{arch.name}-{digest.hexdigest()[:12]}"
 
 
 def _extra_cas() -> list[Path]:
@@ -247,9 +267,10 @@ def _run_logged(argv: Sequence[str], log_file: Path) -> None:
         )
 
 
-def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
+def _debootstrap(base: Base, tarball: Path, log: Log) -> None:
     """Debian minbase with python3 and venv for `arch`, this machine's CAs, as a tarball."""
-    log_file = LOGS / f"debootstrap-{arch.name}.log"
+    suite_name, arch = base
+    log_file = LOGS / f"debootstrap-{suite_name}-{arch.name}.log"
     log_file.unlink(missing_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
@@ -259,7 +280,7 @@ def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
             _run_logged(
                 [
                     "debootstrap", f"--arch={arch.debian}", "--variant=minbase",
-                    f"--include={PACKAGES}", SUITE, str(rootfs),
+                    f"--include={PACKAGES}", suite_name, str(rootfs),
                 ],
                 log_file,
             )  # fmt: skip
@@ -280,7 +301,7 @@ def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
             os.replace(partial, tarball)
         finally:
             _unmount_below(rootfs)
-    log(f"base {arch.name}: debootstrap took {time.monotonic() - started:.0f} s")
+    log(f"base {suite_name} {arch.name}: debootstrap took {time.monotonic() - started:.0f} s")
 
 
 def _reach_the_index_as_this_machine(rootfs: Path, log_file: Path) -> None:
@@ -296,19 +317,24 @@ def _reach_the_index_as_this_machine(rootfs: Path, log_file: Path) -> None:
     (rootfs / "etc/uv/uv.toml").write_text(UV_TOML)
 
 
-def base_images(arches: Iterable[Arch], log: Log) -> dict[Arch, str]:
-    """A local Debian base per architecture, imported into podman; debootstrapped when missing.
+def base_images(arches: Iterable[Arch], log: Log) -> dict[Base, str]:
+    """The local Debian bases that the images of `arches` are built on, imported into podman;
+    debootstrapped when missing: each architecture's of its suite, and this machine's of each
+    of those suites (the build stages').
 
     The debootstraps that are needed run at once (each is partly download, partly emulated
     work). The tarball in CACHE and the image in podman's store are both keyed on the recipe
     (and for this machine's architecture on its extra CAs and pip.conf); those of another key
-    for the same architecture are removed.
+    for the same suite and architecture are removed.
     """
-    arches = sorted(set(arches), key=list(ARCHES.values()).index)
+    assert NATIVE is not None, "emulation_problem() tells first"
+    wanted = {(suite(a), a) for a in arches} | {(suite(a), NATIVE) for a in arches}
+    order = list(ARCHES.values())
+    bases = sorted(wanted, key=lambda base: (base[0], order.index(base[1])))
     CACHE.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(parents=True, exist_ok=True)
     with _locked(CACHE / ".lock", log):
-        return _base_images(arches, log)
+        return _base_images(bases, log)
 
 
 @contextlib.contextmanager
@@ -326,15 +352,15 @@ def _locked(path: Path, log: Log) -> Iterator[None]:
         yield
 
 
-def _base_images(arches: list[Arch], log: Log) -> dict[Arch, str]:
-    keys = {arch: _base_key(arch) for arch in arches}
-    refs = {arch: f"{BASE_NAME}:{keys[arch]}" for arch in arches}
-    tarballs = {arch: CACHE / f"{keys[arch]}.tar" for arch in arches}
-    to_bootstrap = [a for a in arches if not _exists(refs[a]) and not tarballs[a].exists()]
+def _base_images(bases: list[Base], log: Log) -> dict[Base, str]:
+    keys = {base: _base_key(base) for base in bases}
+    refs = {base: f"{BASE_NAME}:{keys[base]}" for base in bases}
+    tarballs = {base: CACHE / f"{keys[base]}.tar" for base in bases}
+    to_bootstrap = [b for b in bases if not _exists(refs[b]) and not tarballs[b].exists()]
     if to_bootstrap:
-        log(f"debootstrap {SUITE} for {', '.join(a.name for a in to_bootstrap)} at once")
+        log(f"debootstrap {', '.join(f'{s} {a.name}' for s, a in to_bootstrap)} at once")
         with concurrent.futures.ThreadPoolExecutor(len(to_bootstrap)) as pool:
-            futures = [pool.submit(_debootstrap, a, tarballs[a], log) for a in to_bootstrap]
+            futures = [pool.submit(_debootstrap, b, tarballs[b], log) for b in to_bootstrap]
             for future in futures:
                 future.result()
     in_store = subprocess.run(
@@ -343,26 +369,28 @@ def _base_images(arches: list[Arch], log: Log) -> dict[Arch, str]:
         text=True,
         check=True,
     ).stdout.split()
-    for arch in arches:
-        # Bases of another key for this architecture (the recipe or this machine's CAs changed).
-        for stale in CACHE.glob(f"{SUITE}-{arch.name}-*.tar"):
-            if stale != tarballs[arch]:
+    for base in bases:
+        suite_name, arch = base
+        prefix = f"{suite_name}-{arch.name}-"
+        # Bases of another key (the recipe or this machine's CAs changed).
+        for stale in CACHE.glob(f"{prefix}*.tar"):
+            if stale != tarballs[base]:
                 stale.unlink()
         for name in in_store:
-            if name.startswith(f"{BASE_NAME}:{SUITE}-{arch.name}-") and name != refs[arch]:
+            if name.startswith(f"{BASE_NAME}:{prefix}") and name != refs[base]:
                 subprocess.run(["podman", "rmi", name], capture_output=True, check=False)
-        if _exists(refs[arch]):
-            log(f"base {arch.name}: {refs[arch]} (cached)")
+        if _exists(refs[base]):
+            log(f"base {suite_name} {arch.name}: {refs[base]} (cached)")
             continue
         subprocess.run(
             [
                 "podman", "import", "--quiet", "--os", "linux", "--arch", arch.name,
-                "--change", f"ENV PATH={DEBIAN_PATH}", str(tarballs[arch]), refs[arch],
+                "--change", f"ENV PATH={DEBIAN_PATH}", str(tarballs[base]), refs[base],
             ],
             check=True,
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        log(f"base {arch.name}: {refs[arch]} (imported from {tarballs[arch]})")
+        log(f"base {suite_name} {arch.name}: {refs[base]} (imported from {tarballs[base]})")
     return refs
 
 
@@ -470,19 +498,20 @@ def removing_intermediates(arches: Iterable[Arch]) -> Iterator[None]:
             subprocess.run(["podman", "rmi", *sorted(leftovers)], capture_output=True, check=False)
 
 
-def build(arch: Arch, bases: dict[Arch, str], run: Callable[..., object]) -> str:
+def build(arch: Arch, bases: dict[Base, str], run: Callable[..., object]) -> str:
     """Build the Containerfile for `arch` on its base; return its tag (arch_tag).
 
-    The build stage runs on this machine's base (BUILD_BASE_IMAGE) and the runtime stage on
-    `arch`'s (BASE_IMAGE). Bases are passed by image ID: podman 4.3 applies the first stage's
-    platform to the second stage's lookup by name, and an ID is looked up as it is.
+    The build stage runs on this machine's base of `arch`'s suite (BUILD_BASE_IMAGE), and the
+    runtime root comes from `arch`'s (BASE_IMAGE). Bases are passed by image ID: podman 4.3
+    applies the first stage's platform to the second stage's lookup by name, and an ID is
+    looked up as it is.
     """
     tag = arch_tag(arch)
     assert NATIVE is not None, "emulation_problem() tells first"
     run(
         "podman", "build", "--isolation=chroot", "--pull=never", "--platform", arch.platform,
-        "--build-arg", f"BUILD_BASE_IMAGE={_image_id(bases[NATIVE])}",
-        "--build-arg", f"BASE_IMAGE={_image_id(bases[arch])}",
+        "--build-arg", f"BUILD_BASE_IMAGE={_image_id(bases[(suite(arch), NATIVE)])}",
+        "--build-arg", f"BASE_IMAGE={_image_id(bases[(suite(arch), arch)])}",
         "--tag", tag, "--file", str(ROOT / "Containerfile"), str(ROOT),
         external=True,
     )  # fmt: skip
