@@ -14,8 +14,8 @@ copies their files into ROOT as dpkg lists them, less documentation (the copyrig
 it carries the licence, which scanners read) and less every program but the interpreter. A
 package left with nothing but documentation is left out whole, and so are its dependencies
 unless something else needs them: base-files pre-depends on awk for its maintainer scripts,
-and no awk comes along. debconf, which tzdata depends on for its questions at install, is
-left out by name. Each package with files in ROOT is recorded as distroless images record
+and no awk comes along. debconf (which tzdata depends on for its questions at install), dpkg
+and install-info (for readline-common's manual) are left out by name. Each package with files in ROOT is recorded as distroless images record
 theirs, for scanners: /var/lib/dpkg/status.d/<package> (its status entry) and
 <package>.md5sums (of the files kept). No shell, dpkg, apt or coreutils comes along: Python
 depends on none of them.
@@ -49,8 +49,9 @@ DOCUMENTATION = (
     "/usr/share/menu/",
 )
 STATUS_D = "var/lib/dpkg/status.d"
-# Dependencies for the maintainer scripts alone (tzdata's questions), never of a running program.
-FOR_MAINTAINER_SCRIPTS = {"debconf", "cdebconf"}
+# Dependencies for the maintainer scripts alone, never of a running program: debconf (tzdata's
+# questions), dpkg and install-info (readline-common's info manual).
+FOR_MAINTAINER_SCRIPTS = {"debconf", "cdebconf", "dpkg", "install-info"}
 
 
 def fail(message: str) -> NoReturn:
