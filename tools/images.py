@@ -1,4 +1,4 @@
-"""The image for four architectures: local Debian bases, podman builds, archives, a manifest list.
+"""The image for four architectures: local Debian bases, podman builds, archives and SBOMs.
 
 ``nox -s image`` drives this module; it needs root, podman and debootstrap, and for each foreign
 architecture a qemu-user binfmt_misc handler with the F flag (``.ci/run`` registers them). Every
@@ -11,8 +11,9 @@ What a build leaves behind (``nox -s e2e`` reads the native one):
 - ``build/images/pcc-device-plugin-linux-<arch>.tar``: a docker-archive tarball per architecture
   (Go's spelling: amd64, arm64, ppc64le, s390x), named ``localhost/pcc-device-plugin:<version>``
   inside, the name the manifests use;
-- in podman's store, ``localhost/pcc-device-plugin:<version>-<arch>`` per architecture and the
-  manifest list ``localhost/pcc-device-plugin:<version>`` of all that were built;
+- in podman's store, ``localhost/pcc-device-plugin:<version>-<arch>`` per architecture. No
+  manifest list: podman 4.3's ``podman images`` fails for every image once the store holds one
+  made of local images (containers/podman#19757), and so would the next build;
 - in CACHE, the debootstrap tarball of each base, keyed on what it is built from; in podman's
   store, the base imported from it (``localhost/pcc-device-plugin-base:<key>``).
 """
@@ -110,7 +111,7 @@ def arch_tag(arch: Arch) -> str:
 
 
 def manifest_list() -> str:
-    """The manifest list of every architecture built, in podman's store."""
+    """The name inside each archive: the manifests' image, a manifest list in a registry."""
     return f"{NAME}:{version()}"
 
 
@@ -533,9 +534,8 @@ def save_archive(arch: Arch) -> Path:
     """arch_tag(arch) as a docker-archive tarball named like the manifest list, by rename.
 
     The name inside is the manifests' image (``localhost/pcc-device-plugin:<version>``), as a
-    node of that architecture has it after pulling the manifest list. The manifest list holds
-    that name in podman's store: a previous one is removed here, so call publish_manifest_list
-    after the last of these.
+    node of that architecture has it after pulling the manifest list from a registry. The name
+    is freed first (remove_manifest_list) and given back after.
     """
     target = archive_path(arch)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -557,33 +557,14 @@ def save_archive(arch: Arch) -> Path:
 
 
 def remove_manifest_list() -> None:
-    """Drop the manifest list of a previous build (not its images), freeing its name.
+    """Free manifest_list()'s name: drop a manifest list of that name (an earlier build made
+    one; not its images), or untag a plain image that an interrupted save left with it.
 
-    By ID: podman 4.3 resolves a list's name to this machine's platform, and fails for a list
-    without it (PCC_IMAGE_ARCHES=s390x), in `image exists`, `manifest rm` and `untag` alike.
+    By name, not through `podman images`, which a manifest list of local images breaks
+    (containers/podman#19757).
     """
     name = manifest_list()
-    listing = subprocess.run(
-        ["podman", "images", "--all", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    for image_id in (line.split()[0] for line in listing if line.split()[1:] == [name]):
-        removed = subprocess.run(["podman", "manifest", "rm", image_id], capture_output=True)
+    if _exists(name):
+        removed = subprocess.run(["podman", "manifest", "rm", name], capture_output=True)
         if removed.returncode != 0:  # a plain image holds the name
-            subprocess.run(["podman", "untag", image_id, name], capture_output=True, check=False)
-
-
-def publish_manifest_list(arches: Iterable[Arch]) -> str:
-    """manifest_list() in podman's store, listing arch_tag of each of `arches`."""
-    name = manifest_list()
-    remove_manifest_list()
-    subprocess.run(["podman", "manifest", "create", name], check=True, stdout=subprocess.DEVNULL)
-    for arch in arches:
-        subprocess.run(
-            ["podman", "manifest", "add", name, f"containers-storage:{arch_tag(arch)}"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-    return name
+            subprocess.run(["podman", "untag", name, name], capture_output=True, check=False)
