@@ -252,6 +252,7 @@ def image_bases(session: nox.Session) -> None:
     started = time.monotonic()
     arches = _image_arches(session)
     assert images.NATIVE is not None
+    images.remove_manifest_list()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         tool = pool.submit(images.sbom_tool, session.log)
         images.base_images([images.NATIVE, *arches], session.log)
@@ -278,10 +279,11 @@ def image(session: nox.Session) -> None:
     install_dev(session)
     started = time.monotonic()
     assert images.NATIVE is not None
+    # First: an earlier build's manifest list makes podman's listings fail (tools/images.py).
+    images.remove_manifest_list()
     bases = images.base_images([images.NATIVE, *arches], session.log)
     session.log(f"bases ready after {time.monotonic() - started:.0f} s")
     sbom_tool = images.sbom_tool(session.log)
-    images.remove_manifest_list()
     tags = {}
     with images.removing_intermediates(arches):
         for arch in arches:
@@ -339,6 +341,7 @@ def native_image_archive(session: nox.Session) -> Path:
             session.log(f"image archive: {archive.relative_to(ROOT)} (left by nox -s image)")
             return archive
         session.log(f"image archive is older than {', '.join(sorted(newer)[:3])}: rebuilding")
+    images.remove_manifest_list()
     bases = images.base_images([native], session.log)
     with images.removing_intermediates([native]):
         images.build(native, bases, session.run)
