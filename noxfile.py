@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import os
 import re
@@ -244,13 +245,13 @@ def _uv() -> str:
 def _image_tools_missing() -> str | None:
     missing = [
         tool
-        for tool in ("podman", "debootstrap", "unshare", "chroot", "kubectl")
+        for tool in ("podman", "debootstrap", "unshare", "chroot", "nsenter", "ip", "kubectl", "go")
         if shutil.which(tool) is None
     ]
     if os.geteuid() != 0 or missing:
         return (
-            "needs root and podman, debootstrap, unshare, chroot, kubectl (.ci/run installs "
-            f"them); missing: {', '.join(missing) or 'root'}"
+            "needs root and podman, debootstrap, unshare, chroot, nsenter, ip, kubectl, and Go "
+            f"for the SBOM tool (.ci/run installs them); missing: {', '.join(missing) or 'root'}"
         )
     return None
 
@@ -274,7 +275,8 @@ def _image_arches(session: nox.Session) -> list[images.Arch]:
 
 @nox.session(venv_backend="none")
 def image_bases(session: nox.Session) -> None:
-    """Only the debootstrapped bases of `nox -s image`, for CI to start early, in the background.
+    """Only the debootstrapped bases of `nox -s image` and its SBOM tool (syft, built with Go),
+    for CI to start early, in the background; each is cached.
 
     Partly download and partly emulated, they can use the core the test suite leaves idle.
     """
@@ -284,8 +286,12 @@ def image_bases(session: nox.Session) -> None:
     started = time.monotonic()
     arches = _image_arches(session)
     assert images.NATIVE is not None
-    images.base_images([images.NATIVE, *arches], session.log)
-    session.log(f"bases ready after {time.monotonic() - started:.0f} s")
+    images.remove_manifest_list()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        tool = pool.submit(images.sbom_tool, session.log)
+        images.base_images([images.NATIVE, *arches], session.log)
+        session.log(f"bases ready after {time.monotonic() - started:.0f} s")
+        session.log(f"SBOM tool {tool.result()} ready after {time.monotonic() - started:.0f} s")
 
 
 @nox.session
@@ -294,9 +300,10 @@ def image(session: nox.Session) -> None:
 
     The Containerfile, once per architecture (PCC_IMAGE_ARCHES, comma-separated; all four by
     default) on a local debootstrapped base of that architecture (cached, see tools/images.py).
-    tests/test_image.py checks each image's contents and architecture and starts the plugin from
-    its filesystem against the simulated kubelet. Leaves build/images/*.tar, the images and the
-    manifest list localhost/pcc-device-plugin:<version> in podman's store; removes the build's
+    tests/test_image.py checks each image's contents, its SBOM and its architecture, and starts
+    the plugin from its filesystem against the simulated kubelet. Leaves build/images/*.tar with
+    an SPDX SBOM beside each (*.spdx.json, written by syft from the archive), and the images in
+    podman's store (no manifest list: tools/images.py says why); removes the build's
     intermediate images.
     """
     problem = _image_tools_missing()
@@ -306,22 +313,23 @@ def image(session: nox.Session) -> None:
     install_dev(session)
     started = time.monotonic()
     assert images.NATIVE is not None
+    # First: an earlier build's manifest list makes podman's listings fail (tools/images.py).
+    images.remove_manifest_list()
     bases = images.base_images([images.NATIVE, *arches], session.log)
     session.log(f"bases ready after {time.monotonic() - started:.0f} s")
-    images.remove_manifest_list()
+    sbom_tool = images.sbom_tool(session.log)
     tags = {}
     with images.removing_intermediates(arches):
         for arch in arches:
             tags[arch] = images.build(arch, bases, session.run)
             archive = images.save_archive(arch)
+            sbom = images.write_sbom(arch, sbom_tool)
             session.log(
-                f"image {arch.name}: {tags[arch]}, {images.size(tags[arch]) / 1e6:.0f} MB "
-                f"(base {images.size(bases[arch]) / 1e6:.0f} MB); "
-                f"{archive.relative_to(ROOT)} {archive.stat().st_size / 1e6:.0f} MB"
+                f"image {arch.name}: {tags[arch]}, {images.size(tags[arch]) / 1e6:.1f} MB; "
+                f"{archive.relative_to(ROOT)} {archive.stat().st_size / 1e6:.1f} MB; "
+                f"SBOM {sbom.relative_to(ROOT)}"
             )
     session.log(f"images built after {time.monotonic() - started:.0f} s")
-    name = images.publish_manifest_list(arches)
-    session.log(f"manifest list {name}: {', '.join(a.platform for a in arches)}")
     report = ROOT / "build" / "image-starts.json"
     report.unlink(missing_ok=True)
     session.run(
@@ -343,7 +351,7 @@ def image(session: nox.Session) -> None:
 def _image_inputs() -> list[Path]:
     """What the Containerfile copies (see .containerignore), and the Containerfile itself."""
     files = [ROOT / name for name in ("Containerfile", "pyproject.toml", "README.md")]
-    files.append(ROOT / "requirements" / "runtime.txt")
+    files += [ROOT / "requirements" / "runtime.txt", ROOT / "tools" / "runtime_root.py"]
     files += (
         p for p in (ROOT / "pcc_plugin").rglob("*") if p.is_file() and "__pycache__" not in p.parts
     )
@@ -367,6 +375,7 @@ def native_image_archive(session: nox.Session) -> Path:
             session.log(f"image archive: {archive.relative_to(ROOT)} (left by nox -s image)")
             return archive
         session.log(f"image archive is older than {', '.join(sorted(newer)[:3])}: rebuilding")
+    images.remove_manifest_list()
     bases = images.base_images([native], session.log)
     with images.removing_intermediates([native]):
         images.build(native, bases, session.run)

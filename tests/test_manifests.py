@@ -883,23 +883,37 @@ def test_runtime_lock_has_hashes() -> None:
 
 
 def test_containerfile_base_image_contract() -> None:
-    """One base for both stages: the build stage's for the building machine's platform.
+    """One base for both stages: the build stage's for the building machine's platform; the
+    image itself on an empty root.
 
-    The build stage installs for the target platform (uv --python-platform from TARGETARCH),
-    so a cross-build emulates nothing but the runtime stage's check. BUILD_BASE_IMAGE exists so
-    that a local build can name the same base's two platforms apart (tools/images.py).
+    The build stage installs for the target platform (uv --python-platform from TARGETARCH)
+    and reads the target's base through a bind mount (tools/runtime_root.py), so a cross-build
+    emulates nothing but the image's check (and, on a base without python3, its install).
+    BUILD_BASE_IMAGE exists so that a local build can name the same base's two platforms apart
+    (tools/images.py).
     """
     instructions = containerfile_instructions()
     assert instructions[:2] == [
-        ("ARG", "BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm"),
+        ("ARG", "BASE_IMAGE=docker.io/library/debian:trixie-slim"),
         ("ARG", "BUILD_BASE_IMAGE=${BASE_IMAGE}"),
     ]
     stages = [args for keyword, args in instructions if keyword == "FROM"]
-    assert stages == ["--platform=$BUILDPLATFORM ${BUILD_BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    assert stages == [
+        "${BASE_IMAGE} AS debian",
+        "--platform=$BUILDPLATFORM ${BUILD_BASE_IMAGE} AS build",
+        "scratch",
+    ]
     runs = [args for keyword, args in instructions if keyword == "RUN"]
     installs = [run for run in runs if "uv pip install" in run]
     assert len(installs) == 2
     assert all('--python-platform "$(cat /opt/build/target-platform)"' in i for i in installs)
+    (root,) = [run for run in runs if "runtime_root.py" in run]
+    assert root.startswith("--mount=type=bind,from=debian,target=/debian ")
+    final = instructions[max(i for i, (k, _) in enumerate(instructions) if k == "FROM") :]
+    # No shell in the image: its one step is in exec form.
+    assert [args for keyword, args in final if keyword == "RUN"] == [
+        '["/opt/pcc-device-plugin/bin/pcc-device-plugin", "--help"]'
+    ]
 
 
 def test_containerfile_installs_the_lock_with_hashes_and_wheels_only() -> None:

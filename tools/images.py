@@ -1,4 +1,4 @@
-"""The image for four architectures: local Debian bases, podman builds, archives, a manifest list.
+"""The image for four architectures: local Debian bases, podman builds, archives and SBOMs.
 
 ``nox -s image`` drives this module; it needs root, podman and debootstrap, and for each foreign
 architecture a qemu-user binfmt_misc handler with the F flag (``.ci/run`` registers them). Every
@@ -11,8 +11,9 @@ What a build leaves behind (``nox -s e2e`` reads the native one):
 - ``build/images/pcc-device-plugin-linux-<arch>.tar``: a docker-archive tarball per architecture
   (Go's spelling: amd64, arm64, ppc64le, s390x), named ``localhost/pcc-device-plugin:<version>``
   inside, the name the manifests use;
-- in podman's store, ``localhost/pcc-device-plugin:<version>-<arch>`` per architecture and the
-  manifest list ``localhost/pcc-device-plugin:<version>`` of all that were built;
+- in podman's store, ``localhost/pcc-device-plugin:<version>-<arch>`` per architecture. No
+  manifest list: podman 4.3's ``podman images`` fails for every image once the store holds one
+  made of local images (containers/podman#19757), and so would the next build;
 - in CACHE, the debootstrap tarball of each base, keyed on what it is built from; in podman's
   store, the base imported from it (``localhost/pcc-device-plugin-base:<key>``).
 """
@@ -42,7 +43,15 @@ CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin")) 
 NAME = "localhost/pcc-device-plugin"
 BASE_NAME = "localhost/pcc-device-plugin-base"
 
-SUITE = "bookworm"
+# Debian 13 (trixie, Python 3.13) for each architecture, but where the Debian archive that these
+# machines reach lacks its current files: it serves trixie's point release 13.8 for amd64 and
+# arm64, but not for ppc64el and s390x (libc6, zlib1g, libexpat1, openssl... answer 404), so
+# those two stay on Debian 12 (bookworm, Python 3.11) until it does. PCC_IMAGE_SUITE names one
+# suite for all four. Each image's build stage runs on this machine's base of the same suite: the
+# two Pythons must be one version. Bases of each suite are keyed apart.
+SUITES = {"amd64": "trixie", "arm64": "trixie", "ppc64le": "bookworm", "s390x": "bookworm"}
+# The Debian release (/etc/os-release's VERSION_ID) and Python of each suite.
+RELEASES = {"bookworm": ("12", "3.11"), "trixie": ("13", "3.13")}
 PACKAGES = "python3,python3-venv"
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What this machine trusts and how it reaches the package index: only for the base of this
@@ -102,7 +111,7 @@ def arch_tag(arch: Arch) -> str:
 
 
 def manifest_list() -> str:
-    """The manifest list of every architecture built, in podman's store."""
+    """The name inside each archive: the manifests' image, a manifest list in a registry."""
     return f"{NAME}:{version()}"
 
 
@@ -172,18 +181,52 @@ def elf_arch(path: Path) -> Arch | None:
     )
 
 
+def elf_interpreter(path: Path) -> str | None:
+    """The program interpreter (PT_INTERP) that a 64-bit ELF program names, None if none."""
+    with path.open("rb") as f:
+        header = f.read(64)
+        if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2:
+            return None
+        order: Literal["little", "big"] = "little" if header[5] == 1 else "big"
+        phoff = int.from_bytes(header[32:40], order)
+        size, count = int.from_bytes(header[54:56], order), int.from_bytes(header[56:58], order)
+        f.seek(phoff)
+        table = f.read(size * count)
+        for start in range(0, len(table) - size + 1, size):
+            entry = table[start : start + size]
+            if int.from_bytes(entry[0:4], order) == 3:  # PT_INTERP
+                offset = int.from_bytes(entry[8:16], order)
+                length = int.from_bytes(entry[32:40], order)
+                f.seek(offset)
+                return f.read(length).rstrip(b"\0").decode()
+    return None
+
+
 # Bases.
 
 
-def _base_key(arch: Arch) -> str:
-    digest = hashlib.sha256(f"v{RECIPE} {SUITE} {arch.debian} minbase {PACKAGES}".encode())
+def suite(arch: Arch) -> str:
+    """The Debian suite of `arch`'s image: SUITES, or PCC_IMAGE_SUITE for every architecture."""
+    chosen = os.environ.get("PCC_IMAGE_SUITE") or SUITES[arch.name]
+    if chosen not in RELEASES:
+        raise ValueError(f"PCC_IMAGE_SUITE={chosen}: known suites are {', '.join(RELEASES)}")
+    return chosen
+
+
+# A base: a suite for an architecture.
+Base = tuple[str, Arch]
+
+
+def _base_key(base: Base) -> str:
+    suite_name, arch = base
+    digest = hashlib.sha256(f"v{RECIPE} {suite_name} {arch.debian} minbase {PACKAGES}".encode())
     if arch == NATIVE:
         digest.update(f"build stage's base {UV_TOML!r}".encode())
         for ca in _extra_cas():
             digest.update(ca.name.encode() + b"\0" + ca.read_bytes())
         if PIP_CONF.exists():
             digest.update(b"pip.conf\0" + PIP_CONF.read_bytes())
-    return f"{SUITE}-{arch.name}-{digest.hexdigest()[:12]}"
+    return f"{suite_name}-{arch.name}-{digest.hexdigest()[:12]}"
 
 
 def _extra_cas() -> list[Path]:
@@ -225,9 +268,10 @@ def _run_logged(argv: Sequence[str], log_file: Path) -> None:
         )
 
 
-def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
+def _debootstrap(base: Base, tarball: Path, log: Log) -> None:
     """Debian minbase with python3 and venv for `arch`, this machine's CAs, as a tarball."""
-    log_file = LOGS / f"debootstrap-{arch.name}.log"
+    suite_name, arch = base
+    log_file = LOGS / f"debootstrap-{suite_name}-{arch.name}.log"
     log_file.unlink(missing_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
@@ -237,7 +281,7 @@ def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
             _run_logged(
                 [
                     "debootstrap", f"--arch={arch.debian}", "--variant=minbase",
-                    f"--include={PACKAGES}", SUITE, str(rootfs),
+                    f"--include={PACKAGES}", suite_name, str(rootfs),
                 ],
                 log_file,
             )  # fmt: skip
@@ -258,7 +302,7 @@ def _debootstrap(arch: Arch, tarball: Path, log: Log) -> None:
             os.replace(partial, tarball)
         finally:
             _unmount_below(rootfs)
-    log(f"base {arch.name}: debootstrap took {time.monotonic() - started:.0f} s")
+    log(f"base {suite_name} {arch.name}: debootstrap took {time.monotonic() - started:.0f} s")
 
 
 def _reach_the_index_as_this_machine(rootfs: Path, log_file: Path) -> None:
@@ -274,19 +318,24 @@ def _reach_the_index_as_this_machine(rootfs: Path, log_file: Path) -> None:
     (rootfs / "etc/uv/uv.toml").write_text(UV_TOML)
 
 
-def base_images(arches: Iterable[Arch], log: Log) -> dict[Arch, str]:
-    """A local Debian base per architecture, imported into podman; debootstrapped when missing.
+def base_images(arches: Iterable[Arch], log: Log) -> dict[Base, str]:
+    """The local Debian bases that the images of `arches` are built on, imported into podman;
+    debootstrapped when missing: each architecture's of its suite, and this machine's of each
+    of those suites (the build stages').
 
     The debootstraps that are needed run at once (each is partly download, partly emulated
     work). The tarball in CACHE and the image in podman's store are both keyed on the recipe
     (and for this machine's architecture on its extra CAs and pip.conf); those of another key
-    for the same architecture are removed.
+    for the same suite and architecture are removed.
     """
-    arches = sorted(set(arches), key=list(ARCHES.values()).index)
+    assert NATIVE is not None, "emulation_problem() tells first"
+    wanted = {(suite(a), a) for a in arches} | {(suite(a), NATIVE) for a in arches}
+    order = list(ARCHES.values())
+    bases = sorted(wanted, key=lambda base: (base[0], order.index(base[1])))
     CACHE.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(parents=True, exist_ok=True)
     with _locked(CACHE / ".lock", log):
-        return _base_images(arches, log)
+        return _base_images(bases, log)
 
 
 @contextlib.contextmanager
@@ -304,15 +353,15 @@ def _locked(path: Path, log: Log) -> Iterator[None]:
         yield
 
 
-def _base_images(arches: list[Arch], log: Log) -> dict[Arch, str]:
-    keys = {arch: _base_key(arch) for arch in arches}
-    refs = {arch: f"{BASE_NAME}:{keys[arch]}" for arch in arches}
-    tarballs = {arch: CACHE / f"{keys[arch]}.tar" for arch in arches}
-    to_bootstrap = [a for a in arches if not _exists(refs[a]) and not tarballs[a].exists()]
+def _base_images(bases: list[Base], log: Log) -> dict[Base, str]:
+    keys = {base: _base_key(base) for base in bases}
+    refs = {base: f"{BASE_NAME}:{keys[base]}" for base in bases}
+    tarballs = {base: CACHE / f"{keys[base]}.tar" for base in bases}
+    to_bootstrap = [b for b in bases if not _exists(refs[b]) and not tarballs[b].exists()]
     if to_bootstrap:
-        log(f"debootstrap {SUITE} for {', '.join(a.name for a in to_bootstrap)} at once")
+        log(f"debootstrap {', '.join(f'{s} {a.name}' for s, a in to_bootstrap)} at once")
         with concurrent.futures.ThreadPoolExecutor(len(to_bootstrap)) as pool:
-            futures = [pool.submit(_debootstrap, a, tarballs[a], log) for a in to_bootstrap]
+            futures = [pool.submit(_debootstrap, b, tarballs[b], log) for b in to_bootstrap]
             for future in futures:
                 future.result()
     in_store = subprocess.run(
@@ -321,27 +370,104 @@ def _base_images(arches: list[Arch], log: Log) -> dict[Arch, str]:
         text=True,
         check=True,
     ).stdout.split()
-    for arch in arches:
-        # Bases of another key for this architecture (the recipe or this machine's CAs changed).
-        for stale in CACHE.glob(f"{SUITE}-{arch.name}-*.tar"):
-            if stale != tarballs[arch]:
+    for base in bases:
+        suite_name, arch = base
+        prefix = f"{suite_name}-{arch.name}-"
+        # Bases of another key (the recipe or this machine's CAs changed).
+        for stale in CACHE.glob(f"{prefix}*.tar"):
+            if stale != tarballs[base]:
                 stale.unlink()
         for name in in_store:
-            if name.startswith(f"{BASE_NAME}:{SUITE}-{arch.name}-") and name != refs[arch]:
+            if name.startswith(f"{BASE_NAME}:{prefix}") and name != refs[base]:
                 subprocess.run(["podman", "rmi", name], capture_output=True, check=False)
-        if _exists(refs[arch]):
-            log(f"base {arch.name}: {refs[arch]} (cached)")
+        if _exists(refs[base]):
+            log(f"base {suite_name} {arch.name}: {refs[base]} (cached)")
             continue
         subprocess.run(
             [
                 "podman", "import", "--quiet", "--os", "linux", "--arch", arch.name,
-                "--change", f"ENV PATH={DEBIAN_PATH}", str(tarballs[arch]), refs[arch],
+                "--change", f"ENV PATH={DEBIAN_PATH}", str(tarballs[base]), refs[base],
             ],
             check=True,
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        log(f"base {arch.name}: {refs[arch]} (imported from {tarballs[arch]})")
+        log(f"base {suite_name} {arch.name}: {refs[base]} (imported from {tarballs[base]})")
     return refs
+
+
+# The SBOM tool: syft (Anchore), built from its module with Go, once per version of syft and of
+# Go, into the cache; the Go module proxy (GOPROXY) is where it comes from.
+
+SYFT = "github.com/anchore/syft/cmd/syft"
+SYFT_VERSION = "v1.57.2"
+TOOLS = CACHE.parent / "tools"
+
+
+def _go() -> str:
+    go = shutil.which("go")
+    if go is None:
+        raise RuntimeError("the SBOM tool (syft) is built with Go: `go` is not on PATH")
+    return go
+
+
+def sbom_tool(log: Log) -> Path:
+    """syft's binary, built when it is not in the cache (a few minutes of CPU, once)."""
+    go = _go()
+    go_version = subprocess.run(
+        [go, "env", "GOVERSION"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    binary = TOOLS / f"syft-{SYFT_VERSION}-{go_version}" / "syft"
+    if binary.exists():
+        return binary
+    TOOLS.mkdir(parents=True, exist_ok=True)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    with _locked(TOOLS / ".lock", log):
+        if binary.exists():
+            return binary
+        started = time.monotonic()
+        log_file = LOGS / "sbom-tool.log"
+        log_file.unlink(missing_ok=True)
+        with tempfile.TemporaryDirectory(dir=TOOLS) as tmp:
+            # A build cache of its own, deleted with the directory: 1.1 GB that nothing reuses
+            # once the binary is cached. The modules (GOMODCACHE) stay where Go keeps them.
+            env = {**os.environ, "GOBIN": tmp, "GOCACHE": str(Path(tmp) / "go-build")}
+            with log_file.open("ab") as out:
+                result = subprocess.run(
+                    [go, "install", f"{SYFT}@{SYFT_VERSION}"],
+                    stdout=out, stderr=subprocess.STDOUT, env=env, check=False,
+                )  # fmt: skip
+            if result.returncode != 0:
+                tail = log_file.read_text(errors="replace").splitlines()[-10:]
+                raise RuntimeError(f"go install {SYFT}@{SYFT_VERSION} failed:\n" + "\n".join(tail))
+            binary.parent.mkdir(exist_ok=True)
+            os.replace(Path(tmp) / "syft", binary)
+        for stale in TOOLS.glob("syft-*"):
+            if stale != binary.parent:
+                shutil.rmtree(stale, ignore_errors=True)
+        log(f"SBOM tool: syft {SYFT_VERSION} built in {time.monotonic() - started:.0f} s")
+    return binary
+
+
+def sbom_path(arch: Arch) -> Path:
+    """The SBOM beside the image's archive."""
+    return ARCHIVES / f"pcc-device-plugin-linux-{arch.name}.spdx.json"
+
+
+def write_sbom(arch: Arch, tool: Path) -> Path:
+    """An SPDX 2.3 JSON SBOM of the saved archive (what a node gets): every Debian package that
+    status.d records and every Python distribution, with their versions."""
+    target = sbom_path(arch)
+    partial = target.with_suffix(".partial")
+    subprocess.run(
+        [str(tool), "scan", "--quiet", f"docker-archive:{archive_path(arch)}",
+         "--source-name", "pcc-device-plugin", "--source-version", version(),
+         "--output", f"spdx-json={partial}"],
+        check=True,
+        # Nothing from the network: no check for a newer syft.
+        env={**os.environ, "SYFT_CHECK_FOR_APP_UPDATE": "false"},
+    )  # fmt: skip
+    os.replace(partial, target)
+    return target
 
 
 # Images.
@@ -375,19 +501,20 @@ def removing_intermediates(arches: Iterable[Arch]) -> Iterator[None]:
             subprocess.run(["podman", "rmi", *sorted(leftovers)], capture_output=True, check=False)
 
 
-def build(arch: Arch, bases: dict[Arch, str], run: Callable[..., object]) -> str:
+def build(arch: Arch, bases: dict[Base, str], run: Callable[..., object]) -> str:
     """Build the Containerfile for `arch` on its base; return its tag (arch_tag).
 
-    The build stage runs on this machine's base (BUILD_BASE_IMAGE) and the runtime stage on
-    `arch`'s (BASE_IMAGE). Bases are passed by image ID: podman 4.3 applies the first stage's
-    platform to the second stage's lookup by name, and an ID is looked up as it is.
+    The build stage runs on this machine's base of `arch`'s suite (BUILD_BASE_IMAGE), and the
+    runtime root comes from `arch`'s (BASE_IMAGE). Bases are passed by image ID: podman 4.3
+    applies the first stage's platform to the second stage's lookup by name, and an ID is
+    looked up as it is.
     """
     tag = arch_tag(arch)
     assert NATIVE is not None, "emulation_problem() tells first"
     run(
         "podman", "build", "--isolation=chroot", "--pull=never", "--platform", arch.platform,
-        "--build-arg", f"BUILD_BASE_IMAGE={_image_id(bases[NATIVE])}",
-        "--build-arg", f"BASE_IMAGE={_image_id(bases[arch])}",
+        "--build-arg", f"BUILD_BASE_IMAGE={_image_id(bases[(suite(arch), NATIVE)])}",
+        "--build-arg", f"BASE_IMAGE={_image_id(bases[(suite(arch), arch)])}",
         "--tag", tag, "--file", str(ROOT / "Containerfile"), str(ROOT),
         external=True,
     )  # fmt: skip
@@ -409,9 +536,8 @@ def save_archive(arch: Arch) -> Path:
     """arch_tag(arch) as a docker-archive tarball named like the manifest list, by rename.
 
     The name inside is the manifests' image (``localhost/pcc-device-plugin:<version>``), as a
-    node of that architecture has it after pulling the manifest list. The manifest list holds
-    that name in podman's store: a previous one is removed here, so call publish_manifest_list
-    after the last of these.
+    node of that architecture has it after pulling the manifest list from a registry. The name
+    is freed first (remove_manifest_list) and given back after.
     """
     target = archive_path(arch)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -433,33 +559,14 @@ def save_archive(arch: Arch) -> Path:
 
 
 def remove_manifest_list() -> None:
-    """Drop the manifest list of a previous build (not its images), freeing its name.
+    """Free manifest_list()'s name: drop a manifest list of that name (an earlier build made
+    one; not its images), or untag a plain image that an interrupted save left with it.
 
-    By ID: podman 4.3 resolves a list's name to this machine's platform, and fails for a list
-    without it (PCC_IMAGE_ARCHES=s390x), in `image exists`, `manifest rm` and `untag` alike.
+    By name, not through `podman images`, which a manifest list of local images breaks
+    (containers/podman#19757).
     """
     name = manifest_list()
-    listing = subprocess.run(
-        ["podman", "images", "--all", "--no-trunc", "--format", "{{.ID}} {{.Repository}}:{{.Tag}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    for image_id in (line.split()[0] for line in listing if line.split()[1:] == [name]):
-        removed = subprocess.run(["podman", "manifest", "rm", image_id], capture_output=True)
+    if _exists(name):
+        removed = subprocess.run(["podman", "manifest", "rm", name], capture_output=True)
         if removed.returncode != 0:  # a plain image holds the name
-            subprocess.run(["podman", "untag", image_id, name], capture_output=True, check=False)
-
-
-def publish_manifest_list(arches: Iterable[Arch]) -> str:
-    """manifest_list() in podman's store, listing arch_tag of each of `arches`."""
-    name = manifest_list()
-    remove_manifest_list()
-    subprocess.run(["podman", "manifest", "create", name], check=True, stdout=subprocess.DEVNULL)
-    for arch in arches:
-        subprocess.run(
-            ["podman", "manifest", "add", name, f"containers-storage:{arch_tag(arch)}"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-    return name
+            subprocess.run(["podman", "untag", name, name], capture_output=True, check=False)

@@ -35,10 +35,12 @@ CGROUPS = Path("/sys/fs/cgroup")
 
 
 def preflight(cluster: bool) -> list[str]:
+    from . import images
     from .node import CNI_PLUGINS as CNI_DIRECTORY
 
     tools = TOOLS + CLUSTER_TOOLS * cluster
     problems = [f"{tool} is not on PATH" for tool in tools if shutil.which(tool) is None]
+    problems += filter(None, [images.busybox_problem()])
     if cluster:
         problems += [
             f"no CNI plugin {plugin} in {CNI_DIRECTORY} (Debian: containernetworking-plugins)"
@@ -124,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     binaries = _binaries(cluster)
     pause, pause_reference = images.pause_archive()
+    consumer, consumer_reference = images.consumer_archive()
     plugin_archive = Path(args.plugin_image).resolve()
     plugin_references = _image_references(plugin_archive)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -137,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         "--net", "--kill-child",
         sys.executable, "-m", "e2e", "inside", "--session", session, "--state", str(state),
         "--logs", str(logs), *binaries, "--pause-image", str(pause), "--pause-reference",
-        pause_reference, "--plugin-image", str(plugin_archive), "--plugin-reference",
+        pause_reference, "--consumer-image", str(consumer), "--consumer-reference",
+        consumer_reference, "--plugin-image", str(plugin_archive), "--plugin-reference",
         plugin_references[0],
     ]  # fmt: skip
     if not cluster:
@@ -211,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inner = commands.choices["inside"]
     inner.add_argument("--session", choices=("e2e", "cluster"), required=True)
     for option in ("--state", "--logs", "--kubelet", "--containerd", "--pause-image",
-                   "--pause-reference", "--plugin-reference"):  # fmt: skip
+                   "--pause-reference", "--consumer-image", "--consumer-reference",
+                   "--plugin-reference"):  # fmt: skip
         inner.add_argument(option, required=True)
     inner.add_argument("--yardstick", help="the yardstick's binary")
     inner.add_argument("--control-plane")

@@ -64,7 +64,6 @@ from .report import Report, now
 from .scenario import DEVICE, RESOURCE, SHARES, expect, make_device, wait_allocatable
 
 # docs/dra.md's command, run in the driver's pod.
-DRA_DOCTOR = f'exec {DOCTOR} doctor --host-root=/host --mode=dra --node-name="$NODE_NAME"'
 
 DRIVER = "pcc.tke.cloud.tencent.com"
 # What manifests/overlays/dra adds beside the base's DaemonSet (docs/dra.md, the way back).
@@ -330,9 +329,12 @@ class Dra:
             "devices, written by the driver"
         )
         # The doctor as docs/dra.md runs it: the pod's args hold `$(NODE_NAME)`, which only
-        # kubelet expands; the container's environment has it.
+        # kubelet expands, and the image has no shell, so the node's name is given.
         name = plugin["metadata"]["name"]
-        doctor = await cluster.kubectl("-n", SYSTEM, "exec", name, "--", "sh", "-c", DRA_DOCTOR)
+        doctor = await cluster.kubectl(
+            "-n", SYSTEM, "exec", name, "--", DOCTOR, "doctor", "--host-root=/host",
+            "--mode=dra", f"--node-name={plugin['spec']['nodeName']}",
+        )  # fmt: skip
         lines = doctor.strip().splitlines()
         driver_line = next((line for line in lines if f"DRA driver {DRIVER}:" in line), "")
         expect(driver_line.startswith("PASS"), f"the doctor in {name}:\n{doctor}")

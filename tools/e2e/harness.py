@@ -61,26 +61,33 @@ async def start_kubelet(node: Node) -> None:
 
 
 async def start_containerd_with_images(
-    node: Node, args: argparse.Namespace, report: Report, names: set[str]
+    node: Node,
+    args: argparse.Namespace,
+    report: Report,
+    plugin_names: set[str],
+    consumer_names: set[str],
 ) -> None:
-    """containerd, with the pause image and the plugin's image, the latter also as `names`."""
+    """containerd, with the pause image, the plugin's image also as `plugin_names`, and the
+    consumers' busybox image as `consumer_names`."""
     node.write_containerd_config(args.pause_reference)
     started = now()
     await start_containerd(node)
     report.figure("containerd started → answers", now() - started)
     started = now()
-    for archive in (args.pause_image, args.plugin_image):
+    for archive in (args.pause_image, args.consumer_image, args.plugin_image):
         await node.ctr("images", "import", archive, within=300)
-    for reference in sorted(names - {args.plugin_reference}):
-        await node.ctr("images", "tag", "--force", args.plugin_reference, reference)
+    for source, names in ((args.plugin_reference, plugin_names),
+                          (args.consumer_reference, consumer_names)):  # fmt: skip
+        for reference in sorted(names - {source}):
+            await node.ctr("images", "tag", "--force", source, reference)
     report.figure("images imported into containerd", now() - started)
 
 
 async def start_node(node: Node, args: argparse.Namespace, report: Report) -> None:
-    # The plugin's image under every name the rendered pods use (the consumer's included).
-    wanted = set().union(*(pods.images(pods.plugin_pod(v)) for v in scenario.VARIANTS))
-    wanted |= pods.images(pods.consumer_pod("default", "consumer"))
-    await start_containerd_with_images(node, args, report, wanted)
+    # Each image under every name the rendered pods use.
+    plugin = set().union(*(pods.images(pods.plugin_pod(v)) for v in scenario.VARIANTS))
+    consumer = pods.images(pods.consumer_pod("default", "consumer"))
+    await start_containerd_with_images(node, args, report, plugin, consumer)
     await start_kubelet(node)
     report.figure("kubelet started → pod-resources answers", now() - node.kubelet.started_at)
 
@@ -169,7 +176,7 @@ async def main(args: argparse.Namespace) -> int:
 
                     node.write_cni_config()
                     consumer_images = pods.images(pods.cluster_consumer_pod())
-                    await start_containerd_with_images(node, args, report, consumer_images)
+                    await start_containerd_with_images(node, args, report, set(), consumer_images)
                     await cluster.run(node, control_plane, report, args.plugin_reference)
                 outcome = "failed" if report.failures else "passed"
             except Exception as error:
