@@ -133,6 +133,14 @@ START_PCC_SERVICE = (
     "start the PCC service on the node, which creates the directory; never create it by hand: "
     "an empty one hides a node whose PCC service does not run"
 )
+# Trying the daemon elsewhere (a laptop, a test): the flags that name the paths.
+ELSEWHERE_DEVICE = (
+    "not on a node: point --pcc-device (below --host-root, if given) at a character device, "
+    "e.g. a symlink to /dev/null"
+)
+ELSEWHERE_DIR = (
+    "not on a node: point --pcc-socket-path (below --host-root, if given) at a directory"
+)
 
 
 def seen_from_here(host_root: str, host_path: str) -> str:
@@ -191,11 +199,14 @@ def pcc_start_problem(spec: ResourceSpec, host_root: str) -> str | None:
     if problem:
         return (
             f"{problem}; check {device.host_path} on the node: {LOAD_SEV_GUEST}; "
-            f"{NOT_AN_SEV_SNP_NODE}"
+            f"{NOT_AN_SEV_SNP_NODE}; {ELSEWHERE_DEVICE}"
         )
     problem = _mount_problem(pcc_dir, host_root)
     if problem:
-        return f"{problem}; check {pcc_dir.host_path} on the node: {START_PCC_SERVICE}"
+        return (
+            f"{problem}; check {pcc_dir.host_path} on the node: {START_PCC_SERVICE}; "
+            f"{ELSEWHERE_DIR}"
+        )
     return None
 
 

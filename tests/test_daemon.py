@@ -250,11 +250,13 @@ async def test_removes_dead_sockets_of_its_own_and_keeps_live_ones(
 CHECK_THE_DEVICE = (
     "; check /dev/sev-guest on the node: on an SEV-SNP guest, load its sev-guest driver "
     "(modprobe sev-guest); a node that is not one has no PCC device: remove its label "
-    "tke.cloud.tencent.com/pcc-device-plugin"
+    "tke.cloud.tencent.com/pcc-device-plugin; not on a node: point --pcc-device (below "
+    "--host-root, if given) at a character device, e.g. a symlink to /dev/null"
 )
 CHECK_THE_DIRECTORY = (
     "; check /var/run/pcc on the node: start the PCC service on the node, which creates the "
-    "directory; never create it by hand: an empty one hides a node whose PCC service does not run"
+    "directory; never create it by hand: an empty one hides a node whose PCC service does not run; "
+    "not on a node: point --pcc-socket-path (below --host-root, if given) at a directory"
 )
 
 
