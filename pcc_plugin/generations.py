@@ -12,6 +12,7 @@ The tree: pcc_plugin/supervisor.py; each mode: `Mode`, below.
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 from pathlib import Path
@@ -125,6 +126,8 @@ class Mode(Protocol):
     state: ResourceState
     # Kubelet's directory the generation's sockets go in: waited for before each generation.
     directory: Path
+    # The flags that name the directories it writes, for an error's fix.
+    directory_flags: str
     # What a generation serves, as log lines name it.
     server: str
 
@@ -164,6 +167,7 @@ async def serve_generations(mode: Mode, bug_backoff: Backoff) -> None:
     """
     restarts = Backoff(immediate_first=True)
     cause = "start"
+    vanished_before = False
     with open_inotify() as inotify:
         while True:
             mode.state.waiting(f"waiting for {mode.directory} to be created")
@@ -174,8 +178,9 @@ async def serve_generations(mode: Mode, bug_backoff: Backoff) -> None:
                 try:
                     await mode.serve_generation(generation)
                 except OSError as exc:
-                    _cannot_serve(mode, generation, exc)
+                    vanished_before = _cannot_serve(mode, generation, exc, vanished_before)
                 else:
+                    vanished_before = False
                     problem = mode.state.serving()
                     if problem is not None:
                         log.info("Serving in %s again, after: %s", mode.directory, problem)
@@ -188,19 +193,46 @@ async def serve_generations(mode: Mode, bug_backoff: Backoff) -> None:
                 await trio.sleep(delay)
 
 
-def _cannot_serve(mode: Mode, generation: Generation, error: OSError) -> None:
+def _cannot_serve(
+    mode: Mode, generation: Generation, error: OSError, vanished_before: bool
+) -> bool:
     """A fault of the plugin's own, said once however often it is retried; kubelet's
-    directory gone is not one."""
-    if isinstance(error, FileNotFoundError | NotADirectoryError) and not mode.directory.is_dir():
+    directory gone is not one. Returns whether a file vanished under the generation."""
+    vanished = isinstance(error, FileNotFoundError | NotADirectoryError)
+    if vanished and not mode.directory.is_dir():
         generation.restart(f"{mode.directory} disappeared")
-        return
+        return False
     # The directory, not the socket's name: each retry has a fresh name, and the same
     # problem is said once.
-    problem = f"cannot serve in {mode.directory}: {error}"
-    if mode.state.cannot_serve(problem):
-        log.error("%s; retrying", problem)
+    where = Path(error.filename).parent if error.filename else mode.directory
+    problem = f"cannot serve in {where}: [Errno {error.errno}] {error.strerror}"
     generation.fault = True
     generation.restart(problem)
+    if vanished and not vanished_before:
+        # Kubelet deletes every file in its directory when it starts, ours while we bind
+        # and rename it too now and then: routine, unless it happens again at once.
+        log.log(V1, "%s (a kubelet restart's wipe of the directory, as it was served); "
+                "serving again", problem)  # fmt: skip
+        return True
+    if mode.state.cannot_serve(problem):
+        log.error("%s; retrying; fix: %s", problem, _fix(error, mode))
+    return vanished
+
+
+def _fix(error: OSError, mode: Mode) -> str:
+    """What to do about a directory the daemon cannot serve in, on a node and elsewhere."""
+    elsewhere = f"not on a node, give {mode.directory_flags} a directory you can write"
+    if error.errno == errno.EROFS:
+        return f"mount it read-write (on a node: the DaemonSet's hostPath is); {elsewhere}"
+    if error.errno == errno.ENOSPC:
+        return f"free space on its filesystem; {elsewhere}"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return (
+            "run the daemon as UID 0 with kubelet's directory mounted read-write (the DaemonSet "
+            "as shipped; with SELinux, the directory needs the container_device_plugin_t type, "
+            f"docs/deploy.md); {elsewhere}"
+        )
+    return f"check the directory on the node; {elsewhere}"
 
 
 async def forget_faults_when_stable(state: ResourceState, *backoffs: Backoff) -> None:

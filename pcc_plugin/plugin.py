@@ -27,6 +27,7 @@ class DevicePluginMode:
     """One resource served to kubelet's device manager."""
 
     server = "the device plugin server"
+    directory_flags = "--device-plugin-path"
 
     def __init__(self, config: Flags, plugin: DevicePlugin) -> None:
         self.plugin = plugin

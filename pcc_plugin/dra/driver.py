@@ -39,6 +39,7 @@ class DraMode:
     """One resource as the DRA driver of this node."""
 
     server = "the DRA driver's sockets"
+    directory_flags = "--kubelet-registry-path and --kubelet-plugins-path"
     # Made anew with the API client each time the mode is served.
     preparer: Preparer
 
