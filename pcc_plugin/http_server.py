@@ -24,6 +24,7 @@ import trio
 
 from pcc_plugin import metrics
 from pcc_plugin.connection_cap import ConnectionCap
+from pcc_plugin.errors import FatalError
 from pcc_plugin.klog import V1
 from pcc_plugin.state import DaemonState
 
@@ -161,7 +162,8 @@ async def serve_http(
 ) -> None:
     """Serve until cancelled; hands back the bound (address, port) pairs once listening.
 
-    A bind failure is one warning, and the plugin goes on without metrics or probes.
+    An address it cannot listen on is a FatalError: kubelet's probes, and whoever reads
+    /readyz, would otherwise reach whatever else holds it, or nothing.
     """
     text, _, port = bind_address.rpartition(":")
     text = text.strip("[]")
@@ -171,11 +173,12 @@ async def serve_http(
     try:
         listeners = await trio.open_tcp_listeners(int(port), host=host)
     except OSError as exc:
-        log.warning(
-            "Metrics and probes are off: cannot listen on %s: %s", bind_address, exc.strerror
-        )
-        task_status.started([])
-        return
+        raise FatalError(
+            f"cannot listen on {bind_address} for /metrics, /livez and /readyz: {exc.strerror}; "
+            "free it, or give --metrics-bind-address another address (127.0.0.1:0 takes a free "
+            "port, which the log names; on a node, the DaemonSet's probes' port too) or an empty "
+            "one (no metrics or probes)"
+        ) from None
     bound = [listener.socket.getsockname()[:2] for listener in listeners]
     server = HttpServer(daemon, lambda: metrics.render(daemon))
     async with trio.open_nursery() as nursery:

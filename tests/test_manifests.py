@@ -1170,7 +1170,7 @@ def test_docs_quote_the_plugins_own_words() -> None:
         "registered, but kubelet's ListAndWatch stream is not open",
         "every device is Unhealthy: ",
         "Cannot write CDI spec ",
-        "Metrics and probes are off: cannot listen on ",
+        "for /metrics, /livez and /readyz: ",
     ):
         assert words in source, f"the plugin no longer says {words!r}"
         assert words in text, f"docs/deploy.md does not quote {words!r}"

@@ -164,22 +164,28 @@ async def test_every_kubelet_restart_is_counted_and_named(
     )
 
 
-async def test_a_port_in_use_is_one_warning_and_the_plugin_still_registers(
-    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
+async def test_a_port_in_use_is_one_line_and_exit_1(
+    fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
+    """Not a warning and on without probes: the README's curl, and kubelet's probes, would
+    reach whatever holds the port."""
     with socket.socket() as taken, trio.fail_after(30):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         daemon = start_daemon(*fake_node.daemon_args(), f"--metrics-bind-address={address}")
-        await registered(daemon, kubelet)
-        assert await run_blocking(kubelet.allocate, RESOURCE, [["pcc-0"]])
-    warnings = [line for line in daemon.log_text().splitlines() if re.match(r"W\d{4} ", line)]
-    assert len(warnings) == 1, warnings
-    assert warnings[0].endswith(
-        f"Metrics and probes are off: cannot listen on {address}: Address already in use"
+        assert await run_blocking(daemon.exited, 20) == 1
+    errors = [line for line in daemon.log_text().splitlines() if re.match(r"[EW]\d{4} ", line)]
+    assert len(errors) == 1, daemon.log_text()
+    assert errors[0].startswith("E")
+    assert errors[0].endswith(
+        f"cannot listen on {address} for /metrics, /livez and /readyz: Address already in use; "
+        "free it, or give --metrics-bind-address another address (127.0.0.1:0 takes a free "
+        "port, which the log names; on a node, the DaemonSet's probes' port too) or an empty "
+        "one (no metrics or probes)"
     )
-    assert "Serving /metrics" not in daemon.log_text()
+    assert "Traceback" not in daemon.log_text()
+    assert "Registered device plugin" not in daemon.log_text()
 
 
 def tcp_sockets(pid: int) -> list[tuple[str, str]]:

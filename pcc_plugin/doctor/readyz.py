@@ -22,7 +22,7 @@ async def check_readyz(bind_address: str) -> Result:
             check,
             f"cannot connect to {url}: {connect_failure(exc)}",
             "the daemon is not running, runs with another --metrics-bind-address (give the "
-            "doctor its flags), or could not listen (its log says 'Metrics and probes are off')",
+            "doctor its flags), or could not listen (its log says 'cannot listen on')",
         )
     except trio.TooSlowError:
         return failed(
