@@ -33,7 +33,11 @@ MAX_ATTRIBUTE_CHARS = 64
 
 class ConfigError(ValueError):
     """The flags and the --config file cannot be served: one line that starts with the flag,
-    or names the file and key."""
+    or names the file and key; `see` says where the fix is explained."""
+
+    def __init__(self, message: str, see: str = "--help") -> None:
+        super().__init__(message)
+        self.see = see
 
 
 @attrs.frozen
@@ -61,7 +65,8 @@ def read(config: Flags) -> Served:
         try:
             specs, digest, file_mode = profiles.load(config.config)
         except profiles.ProfileError as exc:
-            raise ConfigError(str(exc)) from None
+            # --help names the flag only; the keys and their rules are in docs/profiles.md.
+            raise ConfigError(str(exc), see="docs/profiles.md") from None
         if config.mode and file_mode and config.mode != file_mode:
             raise ConfigError(
                 f"--mode: {config.mode} disagrees with mode {file_mode} in {config.config}; "

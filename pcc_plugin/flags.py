@@ -276,8 +276,8 @@ class Flags:
 FLAG_NAMES = tuple(field.metadata["flag"] for field in attrs.fields(Flags))
 
 
-def usage_error(prog: str, message: str) -> NoReturn:
-    print(f"{prog}: {message} (see --help)", file=sys.stderr)
+def usage_error(prog: str, message: str, see: str = "--help") -> NoReturn:
+    print(f"{prog}: {message} (see {see})", file=sys.stderr)
     sys.exit(2)
 
 

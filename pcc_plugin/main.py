@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     try:
         served = configuration.read(config)
     except configuration.ConfigError as exc:
-        flags.usage_error(flags.PROG, str(exc))
+        flags.usage_error(flags.PROG, str(exc), exc.see)
     if not config.config:
         problem = pcc_start_problem(served.specs[0], config.host_root)
         if problem:

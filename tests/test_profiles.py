@@ -663,4 +663,4 @@ async def test_a_bad_config_is_a_usage_error_of_one_line(
     with trio.fail_after(20):
         daemon = start_daemon(*fake_node.daemon_args(), f"--config={config}")
         assert await run_blocking(daemon.exited, 15) == 2
-    assert daemon.log_text() == f"pcc-device-plugin: {config}: {problem} (see --help)\n"
+    assert daemon.log_text() == f"pcc-device-plugin: {config}: {problem} (see docs/profiles.md)\n"
