@@ -17,11 +17,11 @@ from pcc_plugin.doctor.kubelet import (
     check_plugin_dir,
     expected_devices,
 )
-from pcc_plugin.doctor.node import check_device, check_mount, check_pcc_node
+from pcc_plugin.doctor.node import check_device, check_mount, check_pcc_node, check_sev_guest
 from pcc_plugin.doctor.readyz import check_readyz
 from pcc_plugin.doctor.report import Result, skipped
 from pcc_plugin.flags import DEFAULT_MODE, Flags
-from pcc_plugin.resource import ResourceSpec
+from pcc_plugin.resource import CONTAINER_DEVICE_PATH, ResourceSpec
 
 PROG = f"{flags.PROG} doctor"
 DESCRIPTION = (
@@ -53,6 +53,10 @@ async def examine(
         for spec in specs:
             for node in spec.device_nodes:
                 node_checks.setdefault(f"device {node.host_path}", check_device(node, host_root))
+                # The PCC device in a profile is checked as the PCC profile's is; a profile's
+                # symlinks (/dev/disk/by-id/...) are often meant, and are not warned about.
+                if node.host_path == CONTAINER_DEVICE_PATH:
+                    node_checks.setdefault("sev-guest", check_sev_guest(node, host_root))
             for mount in spec.mounts:
                 node_checks.setdefault(
                     f"{mount.label} {mount.host_path}", check_mount(mount, host_root)
