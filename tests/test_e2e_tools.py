@@ -210,7 +210,8 @@ esac
 """)
     ctr.chmod(0o755)
     async with trio.open_nursery() as nursery:
-        node = Node(tmp_path / "state", tmp_path, tmp_path / "kubelet", binaries, nursery)
+        node = Node(tmp_path / "state", tmp_path, tmp_path / "kubelet", binaries,
+                    tmp_path / "runc", nursery)  # fmt: skip
         with trio.fail_after(10):
             await node.stop_all_containers()
     assert asked.exists()
