@@ -8,17 +8,22 @@ line, and how the harness tells failed checks from its own errors.
 from __future__ import annotations
 
 import copy
+import datetime
+import os
 import re
 import signal
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from e2e import __main__ as e2e_main
-from e2e import builds, harness, kubelet_log, pods
+from e2e import builds, harness, kubelet_log, legs, pods
 from e2e.node import Daemon, Node
 
 
@@ -78,10 +83,27 @@ resourceName="tke.cloud.tencent.com/pcc-device" totalCount=16 healthyCount=16
 """
 
 
-def test_kubelets_log_is_read_per_start_and_across_midnight(tmp_path: Path) -> None:
+@pytest.fixture
+def zone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process in a zone 5 h 30 min east of UTC (a POSIX TZ string: no tzdata needed)."""
+    monkeypatch.setenv("TZ", "IST-5:30")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def epoch(stamp: str) -> float:
+    """An ISO time with its zone as an epoch time."""
+    return datetime.datetime.fromisoformat(stamp).timestamp()
+
+
+@pytest.mark.usefixtures("zone")
+def test_kubelets_log_is_read_per_start_in_its_zone_and_across_midnight(tmp_path: Path) -> None:
     log = tmp_path / "kubelet.log"
     log.write_text(KUBELET_LOG)
-    lines = kubelet_log.lines_of_start(log, 2)
+    now = epoch("2026-12-04T00:05:00+05:30")
+    lines = kubelet_log.lines_of_start(log, 2, now)
     assert len(lines) == 3
     server = kubelet_log.first(lines, kubelet_log.REGISTRATION_SERVER)
     register = kubelet_log.first(lines, kubelet_log.REGISTRATION_REQUEST, "pcc-device")
@@ -89,11 +111,47 @@ def test_kubelets_log_is_read_per_start_and_across_midnight(tmp_path: Path) -> N
     assert server is not None
     assert register is not None
     assert devices is not None
-    assert register.seconds - server.seconds == pytest.approx(0.12)
-    assert devices.seconds - register.seconds == pytest.approx(0.011)
+    assert server.seconds == pytest.approx(epoch("2026-12-03T23:59:59.9+05:30"))
+    assert register.seconds - server.seconds == pytest.approx(0.12, abs=1e-6)
+    assert devices.seconds - register.seconds == pytest.approx(0.011, abs=1e-6)
     assert kubelet_log.first(lines, kubelet_log.REGISTRATION_SERVER, after=register.seconds) is None
-    (first_start,) = [line for line in kubelet_log.lines_of_start(log, 1) if "Got" in line.text]
-    assert first_start.seconds == pytest.approx(86398.2)
+    first_start = kubelet_log.lines_of_start(log, 1, now)
+    assert first_start[1].seconds == pytest.approx(epoch("2026-12-03T23:59:58.2+05:30"))
+    # Read on New Year's Day, December's lines are last year's.
+    (last_year,) = kubelet_log.lines_of_start(log, 1, epoch("2027-01-01T00:01:00+05:30"))[1:]
+    assert last_year.seconds == pytest.approx(epoch("2026-12-03T23:59:58.2+05:30"))
+
+
+# The plugin's container log as kubelet keeps it: containerd's stamp (here in UTC) as each line
+# arrived, then the line, whose klog stamp is in the container's zone (here UTC-3:30).
+CONTAINER_LOG = """\
+2026-12-31T23:59:59.990000123Z stderr F I1231 20:29:59.985000       6 main.go:1] Starting
+2027-01-01T00:00:00.004000000Z stderr F I1231 20:30:00.001500       6 registration.py:195] \
+Registering tke.cloud.tencent.com/pcc-device at kubelet.sock with endpoint pcc.sock
+2027-01-01T00:00:00.004100000Z stdout F a line of its own that is not klog's
+2027-01-01T05:30:00.020000000+05:30 stderr F I1231 20:30:00.019000       6 registration.py:115] \
+Kubelet dialled in on <connection 3>
+"""
+
+
+def test_a_containers_log_is_read_in_the_containers_zone_whatever_it_is(tmp_path: Path) -> None:
+    log = tmp_path / "0.log"
+    log.write_text(CONTAINER_LOG)
+    lines = kubelet_log.container_lines(log)
+    assert [line.text.split("] ")[1] for line in lines] == [
+        "Starting",
+        "Registering tke.cloud.tencent.com/pcc-device at kubelet.sock with endpoint pcc.sock",
+        "Kubelet dialled in on <connection 3>",
+    ]
+    # The klog stamps' own instants, not containerd's (a little later), across New Year.
+    assert [line.seconds for line in lines] == pytest.approx(
+        [
+            epoch("2026-12-31T23:59:59.985+00:00"),
+            epoch("2027-01-01T00:00:00.0015+00:00"),
+            epoch("2027-01-01T00:00:00.019+00:00"),
+        ],
+        abs=1e-6,
+    )
 
 
 async def test_a_daemons_line_is_acted_on_once_as_it_is_written(tmp_path: Path) -> None:
@@ -110,8 +168,8 @@ async def test_a_daemons_line_is_acted_on_once_as_it_is_written(tmp_path: Path) 
             seen.append(daemon.log.read_text())
             acted.set()
 
-        daemon.on_line("ready", act)
-        daemon.on_line("end", written.set)
+        daemon.on_line(act, "ready")
+        daemon.on_line(written.set, "end")
         with trio.fail_after(10):
             await daemon.start()
             await acted.wait()
@@ -216,3 +274,181 @@ esac
             await node.stop_all_containers()
     assert asked.exists()
     assert tasks.read_text() == ""
+
+
+RESOURCE = "tke.cloud.tencent.com/pcc-device"
+
+
+def kubelet_restart(
+    server: float = 100.0,
+    read: float | None = 100.010,
+    connected: float = 100.016,
+    processed: float = 100.021,
+) -> list[kubelet_log.Line]:
+    """Kubelet's lines of one start, at these instants (epoch seconds)."""
+    resource = f'resourceName="{RESOURCE}"'
+    lines = [(server, f'"{kubelet_log.REGISTRATION_SERVER}"')]
+    if read is not None:
+        lines += [
+            (read, f'"{kubelet_log.REGISTRATION_REQUEST}" {resource}'),
+            (connected, f'"{kubelet_log.CONNECTED}" resource="{RESOURCE}" socketPath="x"'),
+            (processed, f'"{kubelet_log.DEVICE_UPDATES}" {resource} healthyCount=16'),
+        ]
+    return [kubelet_log.Line(at, text) for at, text in lines]
+
+
+def plugin_restart(
+    sent: float = 100.007, dialled: float = 100.013, opened: float = 100.018
+) -> list[kubelet_log.Line]:
+    """The plugin's lines of one kubelet restart, with the refused Register it sent to the old
+    kubelet.sock before kubelet cleared the directory."""
+    registering = f"Registering {RESOURCE} at /var/lib/kubelet/device-plugins/kubelet.sock"
+    return [
+        kubelet_log.Line(99.999, registering),
+        kubelet_log.Line(100.004, "inotify: kubelet.sock created, restarting."),
+        kubelet_log.Line(sent, registering),
+        kubelet_log.Line(dialled, "Kubelet dialled in on <connection 7>"),
+        kubelet_log.Line(opened, "ListAndWatch stream opened on <connection 7> (kubelet's)"),
+    ]
+
+
+def test_the_plugins_legs_are_read_from_its_log_and_kubelets() -> None:
+    restart = legs.Restart.read(kubelet_restart(), plugin_restart(), RESOURCE, 16, 100.002)
+    # kubelet.sock's change time, after kubelet's line, is when it was created; the Register
+    # that counts is the last one before kubelet read one.
+    assert restart.created == 100.002
+    assert restart.register_sent == 100.007
+    assert restart.register_leg == pytest.approx(0.005)
+    # From kubelet's "Connected to new client" (it has the options and opens ListAndWatch),
+    # 3 ms after the plugin's dial-in, to the plugin's stream opened: kubelet's turn is not
+    # the plugin's.
+    assert restart.list_leg == pytest.approx(0.002)
+    assert restart.kubelet_read == pytest.approx(0.003)
+    assert restart.kubelet_dial == pytest.approx(0.003)
+    assert restart.kubelet_turn == pytest.approx(0.003)
+    assert restart.kubelet_processed == pytest.approx(0.003)
+    assert restart.missing() == []
+    # A change time before kubelet's line (its clock is coarse) or after kubelet read the
+    # Register (the socket changed since) does not move the creation.
+    for changed in (99.997, 100.5, None):
+        again = legs.Restart.read(kubelet_restart(), plugin_restart(), RESOURCE, 16, changed)
+        assert again.created == 100.0
+
+
+def test_a_leg_is_judged_less_the_plugins_wait_for_a_cpu_in_it() -> None:
+    """Kept off a CPU by the machine, the plugin is not late; kept by itself, it is."""
+    slow = legs.Restart.read(
+        kubelet_restart(read=100.045, connected=100.05, processed=100.06),
+        plugin_restart(sent=100.040, dialled=100.047, opened=100.052),
+        RESOURCE, 16, None,
+    )  # fmt: skip
+    waited = attrs.evolve(slow, register_wait=0.030, list_wait=0.001)
+    assert waited.own("register_leg") == pytest.approx(0.010)
+    assert waited.own("list_leg") == pytest.approx(0.001)
+    assert legs.over_bounds([waited] * 10) == []
+    assert legs.why_refused(waited, 100.030).startswith("kubelet admitted the pod")
+    # A wait longer than the leg (it includes a probe answered meanwhile) leaves 0, not less.
+    assert attrs.evolve(slow, register_wait=0.5).own("register_leg") == 0
+    (problem,) = legs.over_bounds([attrs.evolve(slow, register_wait=0.010)] * 10)
+    assert "register leg (kubelet.sock created → Register sent, less its wait" in problem
+    assert "p99 30.0 ms over 10 restarts, above its bound of 20 ms" in problem
+
+
+async def test_a_mark_read_late_bounds_the_wait_it_did_not_see() -> None:
+    """Kubelet's line read 30 ms after the leg began: the plugin may have waited for a CPU all
+    that time, on each thread that waited at all."""
+    async with trio.open_nursery() as nursery:
+        kubelet = Daemon("kubelet", ["true"], Path("/dev/null"), nursery=nursery)
+        watch = legs.CpuWatch(kubelet, os.getpid(), RESOURCE, 16)
+    watch.marks = {
+        "server": legs.Cpu(100.030, {"1": (1.0, 1.0), "2": (1.0, 1.0)}),
+        "read": legs.Cpu(100.100, {"1": (1.0, 1.010), "2": (1.0, 1.005)}),
+    }
+    assert watch.wait_in("server", "read", 100.0) == pytest.approx(0.015 + 2 * 0.030)
+    # Read before the leg began: only what it saw.
+    assert watch.wait_in("server", "read", 100.050) == pytest.approx(0.015)
+    assert watch.wait_in("server", "processed", 100.0) is None
+
+
+async def test_the_plugins_cpu_is_sampled_at_kubelets_lines(tmp_path: Path) -> None:
+    """Marks as kubelet starts, reads the Register and processes the devices; spans between
+    them from the process's threads' schedstat, never negative."""
+    processed = trio.Event()
+    async with trio.open_nursery() as nursery:
+        busy = await trio.lowlevel.open_process([sys.executable, "-c", "while True: pass"])
+        kubelet = Daemon(
+            "kubelet",
+            ["sh", "-c", f"sleep 0.2; echo '{kubelet_log.REGISTRATION_REQUEST} {RESOURCE}'; "
+             f"sleep 0.3; echo '{kubelet_log.DEVICE_UPDATES} {RESOURCE} healthyCount=16'; "
+             "exec sleep 30"],
+            tmp_path / "kubelet.log", nursery=nursery,
+        )  # fmt: skip
+        watch = legs.CpuWatch(kubelet, busy.pid, RESOURCE, 16)
+        # After the watch's own action for the same line.
+        kubelet.on_line(processed.set, kubelet_log.DEVICE_UPDATES)
+        with trio.fail_after(10):
+            await kubelet.start()
+            await processed.wait()
+            await kubelet.stop()
+            busy.kill()
+            await busy.wait()
+    assert set(watch.marks) == {"start", "read", "processed"}
+    for first, last in (("start", "read"), ("read", "processed")):
+        spent = watch.between(first, last)
+        assert spent is not None
+        # Always runnable, the busy loop was on a CPU or waiting for one all along (and no
+        # longer: it has one thread).
+        elapsed = watch.marks[last].at - watch.marks[first].at
+        assert 0.5 * elapsed < spent.used + spent.waited < elapsed + 0.05
+        assert spent.waiting_threads <= 1
+    assert watch.between("start", "nowhere") is None
+    # A thread that ended takes its counts along; one that started counts from 0.
+    earlier = legs.Cpu(1.0, {"1": (1.0, 0.5), "2": (2.0, 2.0)})
+    later = legs.Cpu(2.0, {"1": (1.5, 0.5), "3": (0.25, 0.125)})
+    assert later.since(earlier) == legs.Spent(used=0.75, waited=0.125, waiting_threads=1)
+    assert legs.cpu_of(busy.pid) is None
+
+
+def test_a_plugin_that_never_registers_or_is_slow_fails_the_bounds() -> None:
+    fast = legs.Restart.read(kubelet_restart(), plugin_restart(), RESOURCE, 16, None)
+    assert legs.over_bounds([fast] * 20) == []
+    never = legs.Restart.read(kubelet_restart(read=None), plugin_restart(), RESOURCE, 16, None)
+    assert never.register_leg is None
+    (problem,) = legs.over_bounds([fast] * 19 + [never])
+    assert problem.startswith("restart 20: the plugin's log shows no Register sent")
+    # One slow Register in ten is above the p99 of ten restarts.
+    slow = legs.Restart.read(
+        kubelet_restart(read=100.045, connected=100.05, processed=100.06),
+        plugin_restart(sent=100.040, dialled=100.047, opened=100.052),
+        RESOURCE, 16, None,
+    )  # fmt: skip
+    assert slow.register_leg == pytest.approx(0.040)
+    (problem,) = legs.over_bounds([fast] * 9 + [slow])
+    assert "the plugin's register leg (kubelet.sock created → Register sent, less" in problem
+    assert "slowest 40.0 ms" in problem
+
+
+def test_a_refused_pod_is_put_down_to_the_plugin_or_to_kubelet() -> None:
+    def why(kubelet: list[kubelet_log.Line], plugin: list[kubelet_log.Line], added: float) -> str:
+        restart = legs.Restart.read(kubelet, plugin, RESOURCE, 16, None)
+        return legs.why_refused(restart, added)
+
+    # The plugin's Register 40 ms after kubelet.sock appeared.
+    late = plugin_restart(sent=100.040, dialled=100.047, opened=100.052)
+    slow_kubelet = kubelet_restart(read=100.045, connected=100.05, processed=100.06)
+    assert why(slow_kubelet, late, 100.030).startswith("plugin late: register leg 40 ms > 20 ms")
+    # Kubelet took the pod before the plugin (in time) sent its Register, and while it lay
+    # unread in kubelet's socket.
+    assert why(kubelet_restart(), plugin_restart(), 100.003).startswith(
+        "kubelet admitted the pod before its own server could read the request: kubelet took "
+        "the pod 3 ms after kubelet.sock appeared, before the plugin's Register (7 ms)"
+    )
+    unread = kubelet_restart(read=100.150, connected=100.16, processed=100.17)
+    assert why(unread, plugin_restart(100.007, 100.153, 100.161), 100.133).startswith(
+        "kubelet admitted the pod before its own server could read the request: the plugin's "
+        "Register sent at 7 ms, kubelet took the pod at 133 ms and read the Register at 150 ms"
+    )
+    # Kubelet read the Register in time, then dialled back and processed the list too late.
+    assert why(kubelet_restart(), plugin_restart(), 100.012).startswith(
+        "kubelet late: it read the Register at 10 ms and took the pod at 12 ms"
+    )

@@ -133,12 +133,17 @@ class Daemon:
     process: trio.Process | None = None
     started_at: float = 0.0
     starts: int = 0
-    actions: list[tuple[str, Callable[[], None]]] = attrs.field(factory=list)
+    actions: list[tuple[tuple[str, ...], Callable[[], None]]] = attrs.field(factory=list)
 
-    def on_line(self, words: str, action: Callable[[], None]) -> None:
-        """Call `action` once, as soon as the daemon writes a line containing `words`."""
+    def on_line(self, action: Callable[[], None], *words: str) -> None:
+        """Call `action` once, as soon as the daemon writes a line containing every one of
+        `words`."""
         assert self.nursery is not None, f"{self.name}'s output is not watched"
         self.actions.append((words, action))
+
+    def forget_actions(self) -> None:
+        """Drop the actions whose lines never came."""
+        self.actions.clear()
 
     async def start(self) -> None:
         assert self.process is None, f"{self.name} already runs"
@@ -171,7 +176,7 @@ class Daemon:
 
     def _act_on(self, line: str) -> None:
         for entry in list(self.actions):
-            if entry[0] in line:
+            if all(word in line for word in entry[0]):
                 self.actions.remove(entry)
                 entry[1]()
 

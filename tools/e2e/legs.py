@@ -1,0 +1,424 @@
+"""A kubelet restart as the plugin and kubelet lived it, from the plugin's log and kubelet's.
+
+When kubelet restarts, the plugin has two legs of its own to run, and kubelet the rest:
+
+    kubelet  registration server starting, kubelet.sock created ─┐
+    plugin   Register sent                     ← the register leg ┘
+    kubelet  Register read, its dial-back, GetDevicePluginOptions
+    plugin   "Kubelet dialled in" (options answered)         ─┐
+    kubelet  options received, ListAndWatch opened             │ the list leg
+    plugin   its first device list sent on kubelet's stream  ←┘
+    kubelet  device list processed: the devices are allocatable
+
+A pod kubelet admits before the last line fails for good (issue 26). The checks judge the
+plugin's two legs against bounds set from measurements (docs/e2e.md, "The race"); the pods
+admitted or refused are figures, each refused one attributed to the plugin or to kubelet.
+
+Instants (epoch seconds, see kubelet_log) and what marks each:
+
+- kubelet.sock created: the later of kubelet's "Starting device plugin registration server"
+  (logged just before it clears the directory and listens) and kubelet.sock's inode change time
+  (the kernel's, at bind; its coarse clock may lag by a few milliseconds). Both are at or before
+  the true instant, so the register leg is never shorter than it was;
+- Register sent: the plugin's "Registering <resource> at", the last one before kubelet read
+  a Register (earlier ones went to the old kubelet.sock and were refused). The plugin logs it as
+  it starts the call: the connection and the write after it are not in its log;
+- dial-in: the plugin's "Kubelet dialled in", as it answers kubelet's GetDevicePluginOptions;
+- list sent: the plugin's "ListAndWatch stream opened on ... (kubelet's)", as it starts sending
+  the list.
+
+The yardstick (yardstick/main.go) logs the same words at the same steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import attrs
+import trio
+
+from . import kubelet_log
+from .kubelet_log import Line
+from .node import PLUGIN_DIR, Daemon
+from .poll import wait_for
+
+REGISTERING = "Registering {resource} at"
+DIALLED_IN = "Kubelet dialled in"
+STREAM_OPENED = "ListAndWatch stream opened on"
+KUBELETS = "(kubelet's)"
+POD_LOGS = Path("/var/log/pods")
+# Bounds on the plugin's legs, p99 over a run's rounds; from the measurements in docs/e2e.md.
+REGISTER_BOUND = 0.020
+LIST_BOUND = 0.010
+
+
+@attrs.frozen
+class Restart:
+    """One start of kubelet, the plugin's and kubelet's steps in it (None: not in the logs)."""
+
+    server: float
+    created: float
+    register_sent: float | None
+    register_read: float | None
+    dialled_in: float | None
+    connected: float | None
+    list_sent: float | None
+    processed: float | None
+    # The plugin's threads, from schedstat (CpuWatch): time runnable but waiting for a CPU
+    # (the machine's) in each leg, and over the restart (kubelet started → devices processed)
+    # with the time on a CPU.
+    register_wait: float | None = None
+    list_wait: float | None = None
+    cpu_wait: float | None = None
+    cpu_used: float | None = None
+
+    @classmethod
+    def read(
+        cls,
+        kubelet: list[Line],
+        plugin: list[Line],
+        resource: str,
+        healthy: int,
+        socket_changed: float | None,
+    ) -> Restart:
+        """From kubelet's lines of one start, the plugin's log, and kubelet.sock's inode change
+        time (None if unknown)."""
+        server = kubelet_log.first(kubelet, kubelet_log.REGISTRATION_SERVER)
+        assert server is not None, f"kubelet's log: no {kubelet_log.REGISTRATION_SERVER!r}"
+        read = kubelet_log.first(
+            kubelet, kubelet_log.REGISTRATION_REQUEST, resource, after=server.seconds
+        )
+        created = server.seconds
+        # Changed later than kubelet read a Register through it: not the bind's time.
+        if socket_changed is not None and (read is None or socket_changed <= read.seconds):
+            created = max(created, socket_changed)
+        sent = read and kubelet_log.last(
+            plugin, REGISTERING.format(resource=resource), before=read.seconds
+        )
+        dialled = sent and kubelet_log.first(plugin, DIALLED_IN, after=sent.seconds)
+        connected = read and kubelet_log.first(
+            kubelet, kubelet_log.CONNECTED, resource, after=read.seconds
+        )
+        opened = dialled and kubelet_log.first(
+            plugin, STREAM_OPENED, KUBELETS, after=dialled.seconds
+        )
+        processed = read and kubelet_log.first(
+            kubelet, kubelet_log.DEVICE_UPDATES, resource, f"healthyCount={healthy}",
+            after=read.seconds,
+        )  # fmt: skip
+
+        def at(line: Line | None) -> float | None:
+            return None if line is None else line.seconds
+
+        return cls(
+            server=server.seconds,
+            created=created,
+            register_sent=at(sent),
+            register_read=at(read),
+            dialled_in=at(dialled),
+            connected=at(connected),
+            list_sent=at(opened),
+            processed=at(processed),
+        )
+
+    @staticmethod
+    def _between(start: float | None, end: float | None) -> float | None:
+        return None if start is None or end is None else end - start
+
+    @property
+    def register_leg(self) -> float | None:
+        """The plugin's: kubelet.sock created → Register sent."""
+        return self._between(self.created, self.register_sent)
+
+    @property
+    def list_leg(self) -> float | None:
+        """The plugin's: kubelet's dial-in → its first device list sent, less kubelet's own
+        turn in between (from the plugin's answer to GetDevicePluginOptions to kubelet's
+        "Connected to new client", when it goes on to open ListAndWatch)."""
+        return self._between(self.list_start, self.list_sent)
+
+    @property
+    def list_start(self) -> float | None:
+        if self.dialled_in is None or self.connected is None:
+            return None
+        return max(self.dialled_in, self.connected)
+
+    def own(self, attribute: str) -> float | None:
+        """A leg less the time the plugin waited for a CPU in it: what is left is its own (its
+        CPU time, its waits on anything else)."""
+        leg: float | None = getattr(self, attribute)
+        wait: float | None = getattr(self, WAITS[attribute])
+        if leg is None or wait is None:
+            return leg
+        return max(0.0, leg - wait)
+
+    @property
+    def kubelet_read(self) -> float | None:
+        """Kubelet's: Register sent → kubelet read it."""
+        return self._between(self.register_sent, self.register_read)
+
+    @property
+    def kubelet_dial(self) -> float | None:
+        """Kubelet's and the plugin's: Register read → the plugin answers GetDevicePluginOptions
+        (kubelet's dial-back, the plugin's accept and handshake)."""
+        return self._between(self.register_read, self.dialled_in)
+
+    @property
+    def kubelet_turn(self) -> float | None:
+        """Kubelet's, inside the list leg: the plugin's dial-in → kubelet has the options and
+        opens ListAndWatch."""
+        return self._between(self.dialled_in, self.connected)
+
+    @property
+    def kubelet_processed(self) -> float | None:
+        """Kubelet's: the plugin's first list sent → kubelet processed it."""
+        return self._between(self.list_sent, self.processed)
+
+    def missing(self) -> list[str]:
+        """The plugin's steps its log does not show, in order."""
+        steps = {
+            "Register sent (kubelet read none)" if self.register_read is None
+            else f"a {REGISTERING.format(resource='<resource>')!r} line": self.register_sent,
+            f"{DIALLED_IN!r}": self.dialled_in,
+            f"{STREAM_OPENED!r} ... {KUBELETS!r}": self.list_sent,
+        }  # fmt: skip
+        return [name for name, instant in steps.items() if instant is None]
+
+
+# The plugin's legs: attribute, name, what it spans, bound.
+LEGS = (
+    ("register_leg", "register leg", "kubelet.sock created → Register sent", REGISTER_BOUND),
+    ("list_leg", "list leg", "kubelet's dial-in → first device list sent", LIST_BOUND),
+)
+WAITS = {"register_leg": "register_wait", "list_leg": "list_wait"}
+KUBELET_LEGS = {
+    "kubelet_read": "kubelet: Register sent → read",
+    "kubelet_dial": "kubelet: Register read → its dial-back answered",
+    "kubelet_turn": "kubelet: options answered → ListAndWatch opened",
+    "kubelet_processed": "kubelet: first list sent → processed",
+}
+
+
+def p99(values: list[float]) -> float:
+    """The 99th percentile, interpolated between the two nearest values (the largest of fewer
+    than 100 lies above it)."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    return statistics.quantiles(ordered, n=100, method="inclusive")[98]
+
+
+def judged(restarts: list[Restart], attribute: str) -> list[float]:
+    """A leg of each restart that has it, less the plugin's wait for a CPU."""
+    return [v for r in restarts if (v := r.own(attribute)) is not None]
+
+
+def over_bounds(restarts: list[Restart]) -> list[str]:
+    """What the plugin did wrong over a run's restarts: a leg whose p99 exceeds its bound, or
+    a restart after which it never registered or its log lacks a step."""
+    problems = [
+        f"restart {number}: the plugin's log shows no {', no '.join(missing)}"
+        for number, restart in enumerate(restarts, 1)
+        if (missing := restart.missing())
+    ]
+    for attribute, name, span, bound in LEGS:
+        values = judged(restarts, attribute)
+        if values and p99(values) > bound:
+            problems.append(
+                f"the plugin's {name} ({span}, less its wait for a CPU): p99 "
+                f"{p99(values) * 1000:.1f} ms over {len(values)} restarts, above its bound of "
+                f"{bound * 1000:.0f} ms (slowest {max(values) * 1000:.1f} ms)"
+            )
+    return problems
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def why_refused(restart: Restart, pod_added: float | None) -> str:
+    """Whose a refused pod is: the plugin's (a leg over its bound), kubelet's before it read the
+    Register, or kubelet's after."""
+    late = [
+        f"{name} {ms(value)} > {bound * 1000:.0f} ms (less its wait for a CPU)"
+        for attribute, name, _, bound in LEGS
+        if (value := restart.own(attribute)) is not None and value > bound
+    ]
+    if late or restart.missing():
+        return "plugin late: " + "; ".join(late + [f"no {m}" for m in restart.missing()])
+    taken = ms(restart._between(restart.created, pod_added))
+    sent = ms(restart.register_leg)
+    if pod_added is None or restart.register_read is None or pod_added < restart.register_read:
+        when = (
+            f"kubelet took the pod {taken} after kubelet.sock appeared, before the plugin's "
+            f"Register ({sent})" if pod_added is not None and restart.register_sent is not None
+            and pod_added < restart.register_sent
+            else f"the plugin's Register sent at {sent}, kubelet took the pod at {taken} and read "
+            f"the Register at {ms(restart._between(restart.created, restart.register_read))}"
+        )  # fmt: skip
+        return f"kubelet admitted the pod before its own server could read the request: {when}"
+    return (
+        f"kubelet late: it read the Register at "
+        f"{ms(restart._between(restart.created, restart.register_read))} and took the pod at "
+        f"{taken}, but its own steps after (dial-back {ms(restart.kubelet_dial)}, turn "
+        f"{ms(restart.kubelet_turn)}, processing {ms(restart.kubelet_processed)}) ended after it"
+    )
+
+
+def container_log(namespace: str, pod: str, uid: str, container: str, restarts: int) -> Path:
+    """Where kubelet keeps a container's log (on the node, in the namespace's /var/log)."""
+    return POD_LOGS / f"{namespace}_{pod}_{uid}" / container / f"{restarts}.log"
+
+
+def socket_changed() -> float | None:
+    """kubelet.sock's inode change time, None if it is not there."""
+    try:
+        return os.stat(PLUGIN_DIR / "kubelet.sock").st_ctime_ns / 1e9
+    except FileNotFoundError:
+        return None
+
+
+@attrs.define
+class CpuWatch:
+    """The plugin's (process `pid`) CPU over one start of kubelet: sampled as kubelet starts
+    ("start") and as this process reads kubelet's lines that bracket the plugin's legs (its
+    registration server starting, a Register read, the plugin connected, its devices processed).
+
+    A wait for a CPU accrues only while a thread is runnable. Between the marks around a leg the
+    plugin runs the leg and is otherwise blocked on kubelet, or answers it (its dial-back, a
+    probe): the wait between them holds the leg's, and maybe a little more. A mark is late by as
+    long as this process took to read kubelet's line; the plugin's wait in the leg before it is
+    at most that long, for each of its threads that waited (wait_in).
+    """
+
+    kubelet: Daemon
+    pid: int
+    resource: str
+    healthy: int
+    marks: dict[str, Cpu] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self._mark("start")
+        lines = {
+            "server": (kubelet_log.REGISTRATION_SERVER,),
+            "read": (kubelet_log.REGISTRATION_REQUEST, self.resource),
+            "connected": (kubelet_log.CONNECTED, self.resource),
+            "processed": (kubelet_log.DEVICE_UPDATES, self.resource,
+                          f"healthyCount={self.healthy}"),
+        }  # fmt: skip
+        for name, words in lines.items():
+            self.kubelet.on_line(functools.partial(self._mark, name), *words)
+
+    def _mark(self, name: str) -> None:
+        found = cpu_of(self.pid)
+        if found is not None:
+            self.marks[name] = found
+
+    def between(self, first: str, last: str) -> Spent | None:
+        if first not in self.marks or last not in self.marks:
+            return None
+        return self.marks[last].since(self.marks[first])
+
+    def wait_in(self, first: str, last: str, start: float | None) -> float | None:
+        """At least the plugin's wait for a CPU in a leg that began at `start` (epoch) and
+        ended before mark `last`, `first` being the mark of kubelet's line before it."""
+        spent = self.between(first, last)
+        if spent is None or start is None:
+            return None
+        late = max(0.0, self.marks[first].at - start)
+        return spent.waited + late * max(1, spent.waiting_threads)
+
+
+async def read_restart(
+    kubelet: Daemon,
+    plugin_log: Callable[[], Awaitable[Path]],
+    resource: str,
+    healthy: int,
+    cpu: CpuWatch | None = None,
+) -> Restart:
+    """Kubelet's current start as its log and the plugin's (at `plugin_log()`) tell it, with
+    the plugin's CPU over it; read once the plugin's log has every step (containerd may still
+    be copying its last lines), or after a few seconds with what it has."""
+    changed = await trio.to_thread.run_sync(socket_changed)
+
+    async def read() -> Restart:
+        path = await plugin_log()
+        try:
+            plugin = await trio.to_thread.run_sync(kubelet_log.container_lines, path)
+        except FileNotFoundError:
+            raise AssertionError(f"no plugin log where kubelet keeps it: {path}") from None
+        lines = kubelet_log.lines_of_start(kubelet.log, kubelet.starts)
+        restart = Restart.read(lines, plugin, resource, healthy, changed)
+        if cpu is None:
+            return restart
+        spent = cpu.between("start", "processed")
+        return attrs.evolve(
+            restart,
+            register_wait=cpu.wait_in("server", "read", restart.created),
+            list_wait=cpu.wait_in("connected", "processed", restart.list_start),
+            cpu_wait=None if spent is None else spent.waited,
+            cpu_used=None if spent is None else spent.used,
+        )
+
+    async def complete() -> Restart | None:
+        restart = await read()
+        return None if restart.missing() else restart
+
+    try:
+        found, _ = await wait_for("the plugin's log of this restart", complete, 5)
+    except AssertionError:
+        return await read()
+    return found
+
+
+@attrs.frozen
+class Spent:
+    """A process's threads between two instants: seconds on a CPU, seconds runnable but
+    waiting for one, and how many of its threads waited."""
+
+    used: float
+    waited: float
+    waiting_threads: int
+
+
+@attrs.frozen
+class Cpu:
+    """A process's threads at `at` (epoch): thread ID → (seconds on a CPU, seconds waiting)."""
+
+    at: float
+    threads: dict[str, tuple[float, float]]
+
+    def since(self, earlier: Cpu) -> Spent:
+        # A thread that ended meanwhile takes its counts with it; a new one started from 0.
+        deltas = [
+            (used - earlier.threads.get(tid, (0.0, 0.0))[0],
+             waited - earlier.threads.get(tid, (0.0, 0.0))[1])
+            for tid, (used, waited) in self.threads.items()
+        ]  # fmt: skip
+        return Spent(
+            used=sum(used for used, _ in deltas),
+            waited=sum(waited for _, waited in deltas),
+            waiting_threads=sum(waited > 0 for _, waited in deltas),
+        )
+
+
+def cpu_of(pid: int) -> Cpu | None:
+    """From /proc/<pid>/task/*/schedstat; None when the process is gone."""
+    at = time.time()
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return None
+    threads = {}
+    for task in tasks:
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that just ended
+        threads[task.name] = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
+    return Cpu(at, threads)
