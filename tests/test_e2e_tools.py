@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -452,3 +453,33 @@ def test_a_refused_pod_is_put_down_to_the_plugin_or_to_kubelet() -> None:
     assert why(kubelet_restart(), plugin_restart(), 100.012).startswith(
         "kubelet late: it read the Register at 10 ms and took the pod at 12 ms"
     )
+
+
+async def test_containerd_runs_its_own_shim_and_the_runc_named_whatever_is_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """containerd 2.x looks for its shim on PATH before beside itself: with Debian's
+    containerd 1.6 installed it started that one's shim, which cannot serve it."""
+    monkeypatch.setenv("PATH", "/usr/bin:/usr/sbin")
+    binaries = tmp_path / "containerd-v2"
+    async with trio.open_nursery() as nursery:
+        node = Node(tmp_path / "state", tmp_path, tmp_path / "kubelet", binaries,
+                    Path("/usr/sbin/runc"), nursery)  # fmt: skip
+    node.write_containerd_config("localhost/pause:1")
+    config = tomllib.loads((tmp_path / "state" / "containerd.toml").read_text())
+    runc = config["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["runc"]
+    assert runc["runtime_path"] == str(binaries / "containerd-shim-runc-v2")
+    assert runc["options"] == {"BinaryName": "/usr/sbin/runc"}
+    assert node.containerd.env is not None
+    assert node.containerd.env["PATH"] == f"{binaries}:/usr/bin:/usr/sbin"
+
+
+def test_a_cni_plugin_that_does_not_speak_the_configs_version_is_named(tmp_path: Path) -> None:
+    old = tmp_path / "bridge"
+    old.write_text('#!/bin/sh\necho \'{"cniVersion":"0.4.0","supportedVersions":["0.4.0"]}\'\n')
+    old.chmod(0o755)
+    assert e2e_main.cni_problem(old) == (
+        f"CNI plugin {old} speaks CNI 0.4.0, not 1.0.0: containernetworking-plugins 1.0 or "
+        f"newer in {tmp_path}"
+    )
+    assert e2e_main.cni_problem(tmp_path / "loopback").startswith("no CNI plugin loopback in")
