@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import copy
 import datetime
-import os
+import itertools
 import re
 import signal
+import statistics
 import sys
 import time
 import tomllib
@@ -355,59 +356,51 @@ def test_a_leg_is_judged_less_the_plugins_wait_for_a_cpu_in_it() -> None:
     assert "p99 30.0 ms over 10 restarts, above its bound of 20 ms" in problem
 
 
-async def test_a_mark_read_late_bounds_the_wait_it_did_not_see() -> None:
-    """Kubelet's line read 30 ms after the leg began: the plugin may have waited for a CPU all
-    that time, on each thread that waited at all."""
-    async with trio.open_nursery() as nursery:
-        kubelet = Daemon("kubelet", ["true"], Path("/dev/null"), nursery=nursery)
-        watch = legs.CpuWatch(kubelet, os.getpid(), RESOURCE, 16)
-    watch.marks = {
-        "server": legs.Cpu(100.030, {"1": (1.0, 1.0), "2": (1.0, 1.0)}),
-        "read": legs.Cpu(100.100, {"1": (1.0, 1.010), "2": (1.0, 1.005)}),
-    }
-    assert watch.wait_in("server", "read", 100.0) == pytest.approx(0.015 + 2 * 0.030)
-    # Read before the leg began: only what it saw.
-    assert watch.wait_in("server", "read", 100.050) == pytest.approx(0.015)
-    assert watch.wait_in("server", "processed", 100.0) is None
+def test_a_wait_is_counted_back_from_when_the_kernel_counts_it() -> None:
+    """The kernel adds a thread's wait for a CPU to its count when the wait ends: 5 ms counted
+    by the sample at 100.008 were waited from 100.003 on."""
+    rows = [(100.0 + i / 1000, i / 1000, 0.0) for i in range(8)]
+    rows += [(100.0 + i / 1000, i / 1000, 0.005) for i in range(8, 12)]
+    samples = legs.Samples(rows)
+    assert samples.waited(100.005, 100.010) == pytest.approx(0.003)
+    assert samples.waited(100.0, 100.004) == pytest.approx(0.001)
+    assert samples.waited(100.0, 100.011) == pytest.approx(0.005)
+    assert samples.ran(100.002, 100.006) == pytest.approx(0.004)
+    # Not sampled from before the start to after the end: unknown.
+    assert samples.waited(99.0, 100.004) is None
+    assert samples.waited(100.0, 101.0) is None
+    assert samples.waited(None, 100.004) is None
+    assert legs.Samples.parse("100.000000 0.5 0.25\n100.001000 0.5005 0.25\n").rows == [
+        (100.0, 0.5, 0.25),
+        (100.001, 0.5005, 0.25),
+    ]
 
 
-async def test_the_plugins_cpu_is_sampled_at_kubelets_lines(tmp_path: Path) -> None:
-    """Marks as kubelet starts, reads the Register and processes the devices; spans between
-    them from the process's threads' schedstat, never negative."""
-    processed = trio.Event()
-    async with trio.open_nursery() as nursery:
+async def test_the_sampler_follows_a_process_every_millisecond() -> None:
+    """A process always runnable (a busy loop) runs or waits for a CPU all the time it is
+    sampled, whoever else wants the machine."""
+    with trio.fail_after(30):
         busy = await trio.lowlevel.open_process([sys.executable, "-c", "while True: pass"])
-        kubelet = Daemon(
-            "kubelet",
-            ["sh", "-c", f"sleep 0.2; echo '{kubelet_log.REGISTRATION_REQUEST} {RESOURCE}'; "
-             f"sleep 0.3; echo '{kubelet_log.DEVICE_UPDATES} {RESOURCE} healthyCount=16'; "
-             "exec sleep 30"],
-            tmp_path / "kubelet.log", nursery=nursery,
-        )  # fmt: skip
-        watch = legs.CpuWatch(kubelet, busy.pid, RESOURCE, 16)
-        # After the watch's own action for the same line.
-        kubelet.on_line(processed.set, kubelet_log.DEVICE_UPDATES)
-        with trio.fail_after(10):
-            await kubelet.start()
-            await processed.wait()
-            await kubelet.stop()
+        try:
+            sampler = legs.Sampler(busy.pid)
+            await sampler.start()
+            await trio.sleep(0.5)  # the time to sample, not a synchronisation
+            samples = await sampler.stop()
+        finally:
             busy.kill()
             await busy.wait()
-    assert set(watch.marks) == {"start", "read", "processed"}
-    for first, last in (("start", "read"), ("read", "processed")):
-        spent = watch.between(first, last)
-        assert spent is not None
-        # Always runnable, the busy loop was on a CPU or waiting for one all along (and no
-        # longer: it has one thread).
-        elapsed = watch.marks[last].at - watch.marks[first].at
-        assert 0.5 * elapsed < spent.used + spent.waited < elapsed + 0.05
-        assert spent.waiting_threads <= 1
-    assert watch.between("start", "nowhere") is None
-    # A thread that ended takes its counts along; one that started counts from 0.
-    earlier = legs.Cpu(1.0, {"1": (1.0, 0.5), "2": (2.0, 2.0)})
-    later = legs.Cpu(2.0, {"1": (1.5, 0.5), "3": (0.25, 0.125)})
-    assert later.since(earlier) == legs.Spent(used=0.75, waited=0.125, waiting_threads=1)
-    assert legs.cpu_of(busy.pid) is None
+    assert samples is not None
+    rows = samples.rows
+    # Every millisecond or so: it samples at real-time priority.
+    assert len(rows) > 100
+    assert statistics.median(b[0] - a[0] for a, b in itertools.pairwise(rows)) < 0.003
+    assert all(a[1] <= b[1] and a[2] <= b[2] for a, b in itertools.pairwise(rows))
+    (first, ran, waited), *_, (last, ran_last, waited_last) = rows
+    assert ran_last > ran
+    # What was counted in the span, less what of it was waited before its first sample.
+    counted = samples.waited(first, last)
+    assert counted is not None
+    assert counted <= waited_last - waited
 
 
 def test_a_plugin_that_never_registers_or_is_slow_fails_the_bounds() -> None:

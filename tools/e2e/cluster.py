@@ -772,14 +772,16 @@ class Cluster:
         pid, _ = (await self.node.tasks())[container_id(plugin)]
         for number in range(1, 4):
             server_at: list[float] = []
+            sampler = legs.Sampler(pid)
+            await sampler.start()
             await kubelet.stop()
             kubelet.forget_actions()
             kubelet.on_line(functools.partial(seen, server_at), kubelet_log.REGISTRATION_SERVER)
-            cpu = legs.CpuWatch(kubelet, pid, RESOURCE, SHARES)
             await kubelet.start()
             _, back = await wait_allocatable(
                 f"kubelet restart {number}: the plugin registered with the new kubelet", SHARES
             )
+            samples = await sampler.stop()
             expect(bool(server_at), f"{kubelet.log}: no {kubelet_log.REGISTRATION_SERVER!r}")
             self.report.figure(f"restart {number}: kubelet started → {SHARES} allocatable",
                                back - kubelet.started_at)  # fmt: skip
@@ -787,7 +789,7 @@ class Cluster:
                 f"restart {number}: registration server started → {SHARES} allocatable",
                 back - server_at[0],
             )
-            restart = await legs.read_restart(kubelet, self.plugin_log, RESOURCE, SHARES, cpu)
+            restart = await legs.read_restart(kubelet, self.plugin_log, RESOURCE, SHARES, samples)
             restarts.append(restart)
             for attribute, name, span, _ in legs.LEGS:
                 value = getattr(restart, attribute)

@@ -5,9 +5,10 @@ When kubelet restarts, the plugin has two legs of its own to run, and kubelet th
     kubelet  registration server starting, kubelet.sock created ─┐
     plugin   Register sent                     ← the register leg ┘
     kubelet  Register read, its dial-back, GetDevicePluginOptions
-    plugin   "Kubelet dialled in" (options answered)         ─┐
-    kubelet  options received, ListAndWatch opened             │ the list leg
-    plugin   its first device list sent on kubelet's stream  ←┘
+    plugin   "Kubelet dialled in" (options answered)
+    kubelet  options received: "Connected to new client", ─┐
+             ListAndWatch opened                            │ the list leg
+    plugin   its first device list sent on kubelet's stream ←┘
     kubelet  device list processed: the devices are allocatable
 
 A pod kubelet admits before the last line fails for good (issue 26). The checks judge the
@@ -23,19 +24,27 @@ Instants (epoch seconds, see kubelet_log) and what marks each:
 - Register sent: the plugin's "Registering <resource> at", the last one before kubelet read
   a Register (earlier ones went to the old kubelet.sock and were refused). The plugin logs it as
   it starts the call: the connection and the write after it are not in its log;
-- dial-in: the plugin's "Kubelet dialled in", as it answers kubelet's GetDevicePluginOptions;
+- the list leg's start: the later of the plugin's "Kubelet dialled in" (as it answers kubelet's
+  GetDevicePluginOptions) and kubelet's "Connected to new client" (it has the answer and goes
+  on to open ListAndWatch): what kubelet does in between is kubelet's;
 - list sent: the plugin's "ListAndWatch stream opened on ... (kubelet's)", as it starts sending
   the list.
 
-The yardstick (yardstick/main.go) logs the same words at the same steps.
+A leg is judged less the time the plugin was runnable but waiting for a CPU in it: that is the
+machine's (a busy two-core machine kept the plugin, in a pod that requests 100m, waiting up to
+100 ms). The waits come from the plugin's threads' schedstat, sampled every millisecond by
+e2e.sampler at real-time priority (Samples). The yardstick (yardstick/main.go) logs the same
+words at the same steps, and is judged (as figures) the same way.
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
 import os
 import statistics
-import time
+import subprocess
+import sys
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -52,6 +61,7 @@ DIALLED_IN = "Kubelet dialled in"
 STREAM_OPENED = "ListAndWatch stream opened on"
 KUBELETS = "(kubelet's)"
 POD_LOGS = Path("/var/log/pods")
+TOOLS = Path(__file__).resolve().parents[1]
 # Bounds on the plugin's legs, p99 over a run's rounds; from the measurements in docs/e2e.md.
 REGISTER_BOUND = 0.020
 LIST_BOUND = 0.010
@@ -69,9 +79,9 @@ class Restart:
     connected: float | None
     list_sent: float | None
     processed: float | None
-    # The plugin's threads, from schedstat (CpuWatch): time runnable but waiting for a CPU
-    # (the machine's) in each leg, and over the restart (kubelet started → devices processed)
-    # with the time on a CPU.
+    # The plugin's threads, sampled (Samples): time runnable but waiting for a CPU (the
+    # machine's) in each leg, and from kubelet.sock's creation to the devices processed, with
+    # the time on a CPU.
     register_wait: float | None = None
     list_wait: float | None = None
     cpu_wait: float | None = None
@@ -283,55 +293,71 @@ def socket_changed() -> float | None:
         return None
 
 
+@attrs.frozen
+class Samples:
+    """The plugin's threads every millisecond over one restart (e2e.sampler): epoch time, and
+    the seconds they ran and waited for a CPU so far, summed."""
+
+    rows: list[tuple[float, float, float]]
+
+    @classmethod
+    def parse(cls, text: str) -> Samples:
+        rows = [line.split() for line in text.splitlines()]
+        return cls([(float(at), float(ran), float(waited)) for at, ran, waited in rows])
+
+    def waited(self, start: float | None, end: float | None) -> float | None:
+        """How long the plugin waited for a CPU between `start` and `end` (epoch).
+
+        The kernel adds a wait to a thread's count when it ends (the thread gets a CPU): a wait
+        counted between two samples is taken to have ended at the later one and to have lasted
+        back from there, and what of it lies between `start` and `end` is counted. Samples
+        after `end` count too, for a wait still going on at `end`. None without samples from
+        before `start` to after `end`."""
+        rows = self.rows
+        if start is None or end is None or not rows or rows[0][0] > start or rows[-1][0] < end:
+            return None
+        total = 0.0
+        for (_, _, before), (at, _, after) in itertools.pairwise(rows):
+            if after > before:
+                total += max(0.0, min(at, end) - max(at - (after - before), start))
+        return total
+
+    def ran(self, start: float, end: float) -> float | None:
+        """About how long the plugin ran between `start` and `end` (to the nearest samples)."""
+        inside = [row for row in self.rows if start <= row[0] <= end]
+        return inside[-1][1] - inside[0][1] if inside else None
+
+
 @attrs.define
-class CpuWatch:
-    """The plugin's (process `pid`) CPU over one start of kubelet: sampled as kubelet starts
-    ("start") and as this process reads kubelet's lines that bracket the plugin's legs (its
-    registration server starting, a Register read, the plugin connected, its devices processed).
+class Sampler:
+    """e2e.sampler on process `pid`, at real-time priority, from `start` to `stop`."""
 
-    A wait for a CPU accrues only while a thread is runnable. Between the marks around a leg the
-    plugin runs the leg and is otherwise blocked on kubelet, or answers it (its dial-back, a
-    probe): the wait between them holds the leg's, and maybe a little more. A mark is late by as
-    long as this process took to read kubelet's line; the plugin's wait in the leg before it is
-    at most that long, for each of its threads that waited (wait_in).
-    """
-
-    kubelet: Daemon
     pid: int
-    resource: str
-    healthy: int
-    marks: dict[str, Cpu] = attrs.field(factory=dict)
+    process: trio.Process | None = None
+    out: Path | None = None
 
-    def __attrs_post_init__(self) -> None:
-        self._mark("start")
-        lines = {
-            "server": (kubelet_log.REGISTRATION_SERVER,),
-            "read": (kubelet_log.REGISTRATION_REQUEST, self.resource),
-            "connected": (kubelet_log.CONNECTED, self.resource),
-            "processed": (kubelet_log.DEVICE_UPDATES, self.resource,
-                          f"healthyCount={self.healthy}"),
-        }  # fmt: skip
-        for name, words in lines.items():
-            self.kubelet.on_line(functools.partial(self._mark, name), *words)
+    async def start(self) -> None:
+        descriptor, name = tempfile.mkstemp(prefix="pcc-e2e-samples-")
+        os.close(descriptor)
+        self.out = Path(name)
+        self.process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "e2e.sampler", str(self.pid), name],
+            stdin=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=str(TOOLS)),
+        )
 
-    def _mark(self, name: str) -> None:
-        found = cpu_of(self.pid)
-        if found is not None:
-            self.marks[name] = found
-
-    def between(self, first: str, last: str) -> Spent | None:
-        if first not in self.marks or last not in self.marks:
+    async def stop(self) -> Samples | None:
+        """The samples; None if it did not run or failed."""
+        process, out = self.process, self.out
+        if process is None or out is None:
             return None
-        return self.marks[last].since(self.marks[first])
-
-    def wait_in(self, first: str, last: str, start: float | None) -> float | None:
-        """At least the plugin's wait for a CPU in a leg that began at `start` (epoch) and
-        ended before mark `last`, `first` being the mark of kubelet's line before it."""
-        spent = self.between(first, last)
-        if spent is None or start is None:
-            return None
-        late = max(0.0, self.marks[first].at - start)
-        return spent.waited + late * max(1, spent.waiting_threads)
+        assert process.stdin is not None
+        await process.stdin.aclose()
+        with trio.fail_after(30):
+            code = await process.wait()
+        text = await trio.Path(out).read_text()
+        out.unlink()
+        return Samples.parse(text) if code == 0 else None
 
 
 async def read_restart(
@@ -339,11 +365,11 @@ async def read_restart(
     plugin_log: Callable[[], Awaitable[Path]],
     resource: str,
     healthy: int,
-    cpu: CpuWatch | None = None,
+    samples: Samples | None = None,
 ) -> Restart:
     """Kubelet's current start as its log and the plugin's (at `plugin_log()`) tell it, with
-    the plugin's CPU over it; read once the plugin's log has every step (containerd may still
-    be copying its last lines), or after a few seconds with what it has."""
+    the plugin's waits for a CPU from `samples`; read once the plugin's log has every step
+    (containerd may still be copying its last lines), or after a few seconds with what it has."""
     changed = await trio.to_thread.run_sync(socket_changed)
 
     async def read() -> Restart:
@@ -354,15 +380,16 @@ async def read_restart(
             raise AssertionError(f"no plugin log where kubelet keeps it: {path}") from None
         lines = kubelet_log.lines_of_start(kubelet.log, kubelet.starts)
         restart = Restart.read(lines, plugin, resource, healthy, changed)
-        if cpu is None:
+        if samples is None:
             return restart
-        spent = cpu.between("start", "processed")
         return attrs.evolve(
             restart,
-            register_wait=cpu.wait_in("server", "read", restart.created),
-            list_wait=cpu.wait_in("connected", "processed", restart.list_start),
-            cpu_wait=None if spent is None else spent.waited,
-            cpu_used=None if spent is None else spent.used,
+            register_wait=samples.waited(restart.created, restart.register_sent),
+            list_wait=samples.waited(restart.list_start, restart.list_sent),
+            cpu_wait=samples.waited(restart.created, restart.processed),
+            cpu_used=None
+            if restart.processed is None
+            else samples.ran(restart.created, restart.processed),
         )
 
     async def complete() -> Restart | None:
@@ -374,51 +401,3 @@ async def read_restart(
     except AssertionError:
         return await read()
     return found
-
-
-@attrs.frozen
-class Spent:
-    """A process's threads between two instants: seconds on a CPU, seconds runnable but
-    waiting for one, and how many of its threads waited."""
-
-    used: float
-    waited: float
-    waiting_threads: int
-
-
-@attrs.frozen
-class Cpu:
-    """A process's threads at `at` (epoch): thread ID → (seconds on a CPU, seconds waiting)."""
-
-    at: float
-    threads: dict[str, tuple[float, float]]
-
-    def since(self, earlier: Cpu) -> Spent:
-        # A thread that ended meanwhile takes its counts with it; a new one started from 0.
-        deltas = [
-            (used - earlier.threads.get(tid, (0.0, 0.0))[0],
-             waited - earlier.threads.get(tid, (0.0, 0.0))[1])
-            for tid, (used, waited) in self.threads.items()
-        ]  # fmt: skip
-        return Spent(
-            used=sum(used for used, _ in deltas),
-            waited=sum(waited for _, waited in deltas),
-            waiting_threads=sum(waited > 0 for _, waited in deltas),
-        )
-
-
-def cpu_of(pid: int) -> Cpu | None:
-    """From /proc/<pid>/task/*/schedstat; None when the process is gone."""
-    at = time.time()
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return None
-    threads = {}
-    for task in tasks:
-        try:
-            fields = (task / "schedstat").read_text().split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a thread that just ended
-        threads[task.name] = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
-    return Cpu(at, threads)

@@ -200,9 +200,9 @@ class RaceRound:
     @classmethod
     async def read(
         cls, number: int, signal: str, pod: api.Obj, written_at: list[float], kubelet: Daemon,
-        ref: PodRef, cpu: legs.CpuWatch,
+        ref: PodRef, samples: legs.Samples | None,
     ) -> RaceRound:  # fmt: skip
-        restart = await legs.read_restart(kubelet, plugin_log, RESOURCE, SHARES, cpu)
+        restart = await legs.read_restart(kubelet, plugin_log, RESOURCE, SHARES, samples)
         lines = kubelet_log.lines_of_start(kubelet.log, kubelet.starts)
         added = kubelet_log.first(lines, kubelet_log.POD_ADDED, ref.full, after=restart.server)
         status = pod["status"]
@@ -541,7 +541,7 @@ class Variant:
 
     async def race_round(self, namespace: str, number: int, pid: int) -> RaceRound:
         """One kubelet restart with a consumer written as its registration server starts; the
-        plugin (process `pid`) watched for its CPU meanwhile."""
+        plugin (process `pid`) sampled for its waits for a CPU meanwhile."""
         ref = PodRef(namespace, f"race-{number}")
         manifest = pods.dump(pods.consumer_pod(ref.namespace, ref.name))
         written_at: list[float] = []
@@ -552,10 +552,11 @@ class Variant:
 
         kubelet = self.node.kubelet
         signal_name = "SIGKILL" if number % 2 else "SIGTERM"
+        sampler = legs.Sampler(pid)
+        await sampler.start()
         await (kubelet.kill() if signal_name == "SIGKILL" else kubelet.stop())
         kubelet.forget_actions()
         kubelet.on_line(write_consumer, kubelet_log.REGISTRATION_SERVER)
-        cpu = legs.CpuWatch(kubelet, pid, RESOURCE, SHARES)
         await kubelet.start()
 
         async def settled() -> api.Obj | None:
@@ -570,7 +571,8 @@ class Variant:
         await wait_allocatable(
             f"race round {number}: the plugin registered with the new kubelet", SHARES
         )
-        outcome = await RaceRound.read(number, signal_name, pod, written_at, kubelet, ref, cpu)
+        samples = await sampler.stop()
+        outcome = await RaceRound.read(number, signal_name, pod, written_at, kubelet, ref, samples)
         self.report.say("TIME", outcome.describe())
         if self.race_pods_removed:
             await remove_pod(self.node, ref)
