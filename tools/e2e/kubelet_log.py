@@ -45,8 +45,17 @@ ZONE_STEP = 900.0
 
 @attrs.frozen
 class Line:
+    """A line's instant (its stamp), its text, and the latest stamp of the lines written before
+    it (`past`: a line written after one stamped later was written, and its writer went on,
+    no earlier than that)."""
+
     seconds: float
     text: str
+    past: float = attrs.field()
+
+    @past.default
+    def _stamped(self) -> float:
+        return self.seconds
 
 
 def _fields(stamp: re.Match[str]) -> tuple[int, int, int, int, int, float]:
@@ -77,7 +86,8 @@ def lines_of_start(log: Path, start: int, now: float | None = None) -> list[Line
                 continue
             stamp = KLOG.match(line) if inside else None
             if stamp:
-                found.append(Line(local_klog_time(stamp, now), line))
+                at = local_klog_time(stamp, now)
+                found.append(Line(at, line, max(at, found[-1].past) if found else at))
     return found
 
 

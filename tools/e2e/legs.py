@@ -21,6 +21,9 @@ Instants (epoch seconds, see kubelet_log) and what marks each:
   (logged just before it clears the directory and listens) and kubelet.sock's inode change time
   (the kernel's, at bind; its coarse clock may lag by a few milliseconds). Both are at or before
   the true instant, so the register leg is never shorter than it was;
+- a kubelet line marks when kubelet went on past it: its stamp, or, when kubelet wrote it after
+  lines stamped later (its goroutine held up in the log call on a busy machine), the latest of
+  those;
 - Register sent: the plugin's "Registering <resource> at", the last one before kubelet read
   a Register (earlier ones went to the old kubelet.sock and were refused). The plugin logs it as
   it starts the call: the connection and the write after it are not in its log;
@@ -103,7 +106,8 @@ class Restart:
         read = kubelet_log.first(
             kubelet, kubelet_log.REGISTRATION_REQUEST, resource, after=server.seconds
         )
-        created = server.seconds
+        # Kubelet goes on to listen once it has written its line (`past`).
+        created = server.past
         # Changed later than kubelet read a Register through it: not the bind's time.
         if socket_changed is not None and (read is None or socket_changed <= read.seconds):
             created = max(created, socket_changed)
@@ -131,7 +135,8 @@ class Restart:
             register_sent=at(sent),
             register_read=at(read),
             dialled_in=at(dialled),
-            connected=at(connected),
+            # Kubelet opens ListAndWatch once it has written its line.
+            connected=None if connected is None else connected.past,
             list_sent=at(opened),
             processed=at(processed),
         )
