@@ -431,6 +431,26 @@ async def test_the_sampler_follows_a_process_every_millisecond() -> None:
     assert counted <= waited_last - waited + 1e-4  # sums of differences of epoch floats
 
 
+def test_a_register_kubelet_refused_while_starting_is_the_plugins_first() -> None:
+    """The register leg ends at the plugin's first Register to the new kubelet.sock; kubelet,
+    not ready yet, refused it and took the next one 27 ms later."""
+    plugin = plugin_restart()
+    registering = plugin[0].text
+    plugin.insert(2, kubelet_log.Line(100.003, registering))
+    plugin[3] = kubelet_log.Line(100.030, registering)
+    restart = legs.Restart.read(
+        kubelet_restart(read=100.032, connected=100.036, processed=100.04),
+        [*plugin[:4], kubelet_log.Line(100.034, plugin[4].text),
+         kubelet_log.Line(100.038, plugin[5].text)],
+        RESOURCE, 16, 100.002,
+    )  # fmt: skip
+    assert restart.register_sent == 100.003
+    assert restart.register_taken == 100.030
+    assert restart.register_leg == pytest.approx(0.001)
+    assert restart.kubelet_read == pytest.approx(0.029)
+    assert restart.missing() == []
+
+
 def test_a_plugin_that_never_registers_or_is_slow_fails_the_bounds() -> None:
     fast = legs.Restart.read(kubelet_restart(), plugin_restart(), RESOURCE, 16, None)
     assert legs.over_bounds([fast] * 20) == []

@@ -24,9 +24,10 @@ Instants (epoch seconds, see kubelet_log) and what marks each:
 - a kubelet line marks when kubelet went on past it: its stamp, or, when kubelet wrote it after
   lines stamped later (its goroutine held up in the log call on a busy machine), the latest of
   those;
-- Register sent: the plugin's "Registering <resource> at", the last one before kubelet read
-  a Register (earlier ones went to the old kubelet.sock and were refused). The plugin logs it as
-  it starts the call: the connection and the write after it are not in its log;
+- Register sent: the plugin's first "Registering <resource> at" from then on (earlier ones went
+  to the old kubelet.sock and were refused; a later one is the one kubelet took when it refused
+  the first, still starting). The plugin logs it as it starts the call: the connection and the
+  write after it are not in its log;
 - the list leg's start: the later of the plugin's "Kubelet dialled in" (as it answers kubelet's
   GetDevicePluginOptions) and kubelet's "Connected to new client" (it has the answer and goes
   on to open ListAndWatch): what kubelet does in between is kubelet's;
@@ -77,6 +78,7 @@ class Restart:
     server: float
     created: float
     register_sent: float | None
+    register_taken: float | None
     register_read: float | None
     dialled_in: float | None
     connected: float | None
@@ -111,10 +113,14 @@ class Restart:
         # Changed later than kubelet read a Register through it: not the bind's time.
         if socket_changed is not None and (read is None or socket_changed <= read.seconds):
             created = max(created, socket_changed)
-        sent = read and kubelet_log.last(
-            plugin, REGISTERING.format(resource=resource), before=read.seconds
-        )
-        dialled = sent and kubelet_log.first(plugin, DIALLED_IN, after=sent.seconds)
+        registering = REGISTERING.format(resource=resource)
+        taken = read and kubelet_log.last(plugin, registering, before=read.seconds)
+        # The plugin's first Register to this kubelet.sock; kubelet may have refused it and
+        # taken a later one (`taken`).
+        sent = taken and kubelet_log.first(plugin, registering, after=created)
+        if sent is not None and taken is not None and sent.seconds > taken.seconds:
+            sent = taken
+        dialled = taken and kubelet_log.first(plugin, DIALLED_IN, after=taken.seconds)
         connected = read and kubelet_log.first(
             kubelet, kubelet_log.CONNECTED, resource, after=read.seconds
         )
@@ -133,6 +139,7 @@ class Restart:
             server=server.seconds,
             created=created,
             register_sent=at(sent),
+            register_taken=at(taken),
             register_read=at(read),
             dialled_in=at(dialled),
             # Kubelet opens ListAndWatch once it has written its line.
@@ -174,7 +181,7 @@ class Restart:
 
     @property
     def kubelet_read(self) -> float | None:
-        """Kubelet's: Register sent → kubelet read it."""
+        """Kubelet's: Register sent → kubelet read it (refusing any before it)."""
         return self._between(self.register_sent, self.register_read)
 
     @property

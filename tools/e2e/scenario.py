@@ -223,10 +223,16 @@ class RaceRound:
             return legs.ms(None if instant is None else instant - restart.created)
 
         outcome = "admitted" if self.admitted else f"REFUSED ({self.reason})"
+        retried = (
+            f", refused by kubelet, sent again {since(restart.register_taken)}"
+            if restart.register_taken != restart.register_sent
+            else ""
+        )
         line = (
             f"race round {self.number} (kubelet {self.signal}): consumer {outcome}; after "
             f"kubelet.sock appeared: consumer written {since(self.written)}, Register sent "
-            f"{since(restart.register_sent)} (read by kubelet {since(restart.register_read)}), "
+            f"{since(restart.register_sent)}{retried} (read by kubelet "
+            f"{since(restart.register_read)}), "
             f"kubelet took the pod {since(self.pod_added)}, list sent "
             f"{legs.ms(restart.list_leg)} after kubelet opened the stream (dial-in → open "
             f"{legs.ms(restart.kubelet_turn)}), devices processed {since(restart.processed)}; "
