@@ -89,6 +89,9 @@ class Restart:
     # the time on a CPU.
     register_wait: float | None = None
     list_wait: float | None = None
+    # ... and between kubelet's read of the Register and the plugin's dial-in (not a leg: that
+    # is kubelet's dial-back and the plugin's accept, together).
+    dial_wait: float | None = None
     cpu_wait: float | None = None
     cpu_used: float | None = None
 
@@ -287,8 +290,9 @@ def why_refused(restart: Restart, pod_added: float | None) -> str:
     return (
         f"kubelet late: it read the Register at "
         f"{ms(restart._between(restart.created, restart.register_read))} and took the pod at "
-        f"{taken}, but its own steps after (dial-back {ms(restart.kubelet_dial)}, turn "
-        f"{ms(restart.kubelet_turn)}, processing {ms(restart.kubelet_processed)}) ended after it"
+        f"{taken}, but its own steps after (dial-back {ms(restart.kubelet_dial)}, the plugin "
+        f"waiting {ms(restart.dial_wait)} of it for a CPU; turn {ms(restart.kubelet_turn)}; "
+        f"processing {ms(restart.kubelet_processed)}) ended after it"
     )
 
 
@@ -398,6 +402,7 @@ async def read_restart(
             restart,
             register_wait=samples.waited(restart.created, restart.register_sent),
             list_wait=samples.waited(restart.list_start, restart.list_sent),
+            dial_wait=samples.waited(restart.register_read, restart.dialled_in),
             cpu_wait=samples.waited(restart.created, restart.processed),
             cpu_used=None
             if restart.processed is None
