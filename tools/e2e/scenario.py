@@ -519,16 +519,15 @@ class Variant:
                 self.report.figure(f"race: the plugin's {name} less its wait for a CPU (p99)",
                                    legs.p99(judged))  # fmt: skip
         for attribute, label in (
-            ("register_wait", "waiting for a CPU in its register leg"),
-            ("list_wait", "waiting for a CPU in its list leg"),
-            ("cpu_wait", "waiting for a CPU, kubelet started → devices processed"),
-            ("cpu_used", "on a CPU, kubelet started → devices processed"),
+            ("register_wait", "waiting for a CPU in its register leg (max)"),
+            ("list_wait", "waiting for a CPU in its list leg (max)"),
+            ("cpu_wait", "waiting for a CPU, kubelet.sock created → devices processed (max)"),
+            ("cpu_used", "on a CPU, kubelet.sock created → devices processed (median)"),
         ):
             values = [v for r in restarts if (v := getattr(r, attribute)) is not None]
             if values:
-                label = f"race: the plugin {label}"
-                self.report.figure(f"{label} (median)", statistics.median(values))
-                self.report.figure(f"{label} (max)", max(values))
+                figure = statistics.median if label.endswith("(median)") else max
+                self.report.figure(f"race: the plugin {label}", figure(values))
         for name, label in legs.KUBELET_LEGS.items():
             values = [v for r in restarts if (v := getattr(r, name)) is not None]
             if values:
