@@ -380,7 +380,7 @@ def test_a_leg_is_judged_less_the_plugins_wait_for_a_cpu_in_it() -> None:
     # A wait longer than the leg (it includes a probe answered meanwhile) leaves 0, not less.
     assert attrs.evolve(slow, register_wait=0.5).own("register_leg") == 0
     (problem,) = legs.over_bounds([attrs.evolve(slow, register_wait=0.010)] * 10)
-    assert "register leg (kubelet.sock created → Register sent, less its wait" in problem
+    assert "register leg (kubelet.sock created → Register sent), its own part: p99" in problem
     assert "p99 30.0 ms over 10 restarts, above its bound of 20 ms" in problem
 
 
@@ -402,6 +402,23 @@ def test_a_wait_is_counted_back_from_when_the_kernel_counts_it() -> None:
         (100.0, 0.5, 0.25),
         (100.001, 0.5005, 0.25),
     ]
+
+
+def test_the_plugin_is_idle_until_it_first_runs_or_waits_to() -> None:
+    """Blocked from 100.000 on; the sample at 100.011 counted 2 ms of waiting and some running:
+    it woke at 100.008 at the latest, so it was idle 6 ms from 100.002."""
+    rows = [(100.0 + i / 1000, 1.0, 0.5) for i in range(11)]
+    rows += [(100.0 + i / 1000, 1.0005, 0.502) for i in range(11, 14)]
+    samples = legs.Samples(rows)
+    assert samples.idle(100.002, 100.013) == pytest.approx(0.006)
+    # Never woke before the end: idle all along; the end came first: idle to it.
+    assert samples.idle(100.002, 100.005) == pytest.approx(0.003)
+    assert samples.idle(99.0, 100.005) is None
+    restart = legs.Restart.read(kubelet_restart(), plugin_restart(opened=100.036), RESOURCE, 16,
+                                None)  # fmt: skip
+    assert restart.list_leg == pytest.approx(0.020)
+    judged = attrs.evolve(restart, list_wait=0.002, list_idle=0.006)
+    assert judged.own("list_leg") == pytest.approx(0.012)
 
 
 async def test_the_sampler_follows_a_process_every_millisecond() -> None:
@@ -466,7 +483,7 @@ def test_a_plugin_that_never_registers_or_is_slow_fails_the_bounds() -> None:
     )  # fmt: skip
     assert slow.register_leg == pytest.approx(0.040)
     (problem,) = legs.over_bounds([fast] * 9 + [slow])
-    assert "the plugin's register leg (kubelet.sock created → Register sent, less" in problem
+    assert "the plugin's register leg (kubelet.sock created → Register sent), its own" in problem
     assert "slowest 40.0 ms" in problem
 
 
@@ -478,7 +495,9 @@ def test_a_refused_pod_is_put_down_to_the_plugin_or_to_kubelet() -> None:
     # The plugin's Register 40 ms after kubelet.sock appeared.
     late = plugin_restart(sent=100.040, dialled=100.047, opened=100.052)
     slow_kubelet = kubelet_restart(read=100.045, connected=100.05, processed=100.06)
-    assert why(slow_kubelet, late, 100.030).startswith("plugin late: register leg 40 ms > 20 ms")
+    assert why(slow_kubelet, late, 100.030).startswith(
+        "plugin late: register leg, its own part, 40 ms > 20 ms"
+    )
     # Kubelet took the pod before the plugin (in time) sent its Register, and while it lay
     # unread in kubelet's socket.
     assert why(kubelet_restart(), plugin_restart(), 100.003).startswith(

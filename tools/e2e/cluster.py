@@ -810,7 +810,7 @@ class Cluster:
             self.report.check(
                 "kubelet restarts: the plugin's legs within their bounds ("
                 + ", ".join(
-                    f"{name} less its wait for a CPU at most "
+                    f"{name}, its own part, at most "
                     f"{max(legs.judged(restarts, attribute)) * 1000:.1f} ms ≤ {bound * 1000:.0f} ms"
                     for attribute, name, _, bound in legs.LEGS
                 )

@@ -234,8 +234,9 @@ class RaceRound:
             f"{since(restart.register_sent)}{retried} (read by kubelet "
             f"{since(restart.register_read)}), "
             f"kubelet took the pod {since(self.pod_added)}, list sent "
-            f"{legs.ms(restart.list_leg)} after kubelet opened the stream (dial-in → open "
-            f"{legs.ms(restart.kubelet_turn)}), devices processed {since(restart.processed)}; "
+            f"{legs.ms(restart.list_leg)} after kubelet went on to open the stream (dial-in → "
+            f"that {legs.ms(restart.kubelet_turn)}; the plugin idle {legs.ms(restart.list_idle)} "
+            f"of it), devices processed {since(restart.processed)}; "
             f"the plugin waited for a CPU {legs.ms(restart.register_wait)} in its register leg, "
             f"{legs.ms(restart.list_wait)} in its list leg, {legs.ms(restart.cpu_wait)} in all "
             f"(on a CPU {legs.ms(restart.cpu_used)})"
@@ -498,7 +499,7 @@ class Variant:
             self.report.fail(f"race: {problem} (the round lines above say when what came)")
         if not problems:
             within = ", ".join(
-                f"the plugin's {name} less its wait for a CPU p99 "
+                f"the plugin's {name}, its own part, p99 "
                 f"{legs.p99(legs.judged(restarts, attribute)) * 1000:.1f} ms "
                 f"≤ {bound * 1000:.0f} ms"
                 for attribute, name, _, bound in legs.LEGS
@@ -516,7 +517,7 @@ class Variant:
                 self.report.figure(f"{label} (median)", statistics.median(values))
                 self.report.figure(f"{label} (p99)", legs.p99(values))
                 judged = legs.judged(restarts, attribute)
-                self.report.figure(f"race: the plugin's {name} less its wait for a CPU (p99)",
+                self.report.figure(f"race: the plugin's {name}, its own part (p99)",
                                    legs.p99(judged))  # fmt: skip
         for attribute, label in (
             ("register_wait", "waiting for a CPU in its register leg (max)"),
