@@ -468,8 +468,13 @@ def test_a_register_kubelet_refused_while_starting_is_the_plugins_first() -> Non
     assert restart.missing() == []
 
 
+def sampled(restart: legs.Restart) -> legs.Restart:
+    """`restart` with the plugin sampled and never kept off a CPU nor idle."""
+    return attrs.evolve(restart, register_wait=0.0, list_wait=0.0, list_idle=0.0)
+
+
 def test_a_plugin_that_never_registers_or_is_slow_fails_the_bounds() -> None:
-    fast = legs.Restart.read(kubelet_restart(), plugin_restart(), RESOURCE, 16, None)
+    fast = sampled(legs.Restart.read(kubelet_restart(), plugin_restart(), RESOURCE, 16, None))
     assert legs.over_bounds([fast] * 20) == []
     never = legs.Restart.read(kubelet_restart(read=None), plugin_restart(), RESOURCE, 16, None)
     assert never.register_leg is None
@@ -482,15 +487,21 @@ def test_a_plugin_that_never_registers_or_is_slow_fails_the_bounds() -> None:
         RESOURCE, 16, None,
     )  # fmt: skip
     assert slow.register_leg == pytest.approx(0.040)
-    (problem,) = legs.over_bounds([fast] * 9 + [slow])
+    (problem,) = legs.over_bounds([fast] * 9 + [sampled(slow)])
     assert "the plugin's register leg (kubelet.sock created → Register sent), its own" in problem
     assert "slowest 40.0 ms" in problem
+    # Not sampled: not judged, and said.
+    (problem,) = legs.over_bounds([fast] * 9 + [slow])
+    assert problem == (
+        "restart 10: the plugin's CPU was not sampled over it (e2e.sampler): its legs cannot "
+        "be judged"
+    )
 
 
 def test_a_refused_pod_is_put_down_to_the_plugin_or_to_kubelet() -> None:
     def why(kubelet: list[kubelet_log.Line], plugin: list[kubelet_log.Line], added: float) -> str:
         restart = legs.Restart.read(kubelet, plugin, RESOURCE, 16, None)
-        return legs.why_refused(restart, added)
+        return legs.why_refused(sampled(restart), added)
 
     # The plugin's Register 40 ms after kubelet.sock appeared.
     late = plugin_restart(sent=100.040, dialled=100.047, opened=100.052)

@@ -58,7 +58,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from . import kubelet_log
+from . import kubelet_log, sampler
 from .kubelet_log import Line
 from .node import PLUGIN_DIR, Daemon
 from .poll import wait_for
@@ -183,11 +183,11 @@ class Restart:
     def own(self, attribute: str) -> float | None:
         """A leg less the time the plugin waited for a CPU in it and, for the list leg, the time
         it was idle before kubelet's request came: what is left is its own (its CPU time, its
-        own waits)."""
+        own waits). None when the leg or the plugin's samples are missing."""
         leg: float | None = getattr(self, attribute)
         wait: float | None = getattr(self, WAITS[attribute])
         if leg is None or wait is None:
-            return leg
+            return None
         idle = (self.list_idle or 0.0) if attribute == "list_leg" else 0.0
         return max(0.0, leg - wait - idle)
 
@@ -259,6 +259,13 @@ def over_bounds(restarts: list[Restart]) -> list[str]:
         f"restart {number}: the plugin's log shows no {', no '.join(missing)}"
         for number, restart in enumerate(restarts, 1)
         if (missing := restart.missing())
+    ]
+    # A check that cannot tell the machine's share from the plugin's judges nothing: say so.
+    problems += [
+        f"restart {number}: the plugin's CPU was not sampled over it (e2e.sampler): its legs "
+        "cannot be judged"
+        for number, restart in enumerate(restarts, 1)
+        if not restart.missing() and restart.register_wait is None
     ]
     for attribute, name, span, bound in LEGS:
         values = judged(restarts, attribute)
@@ -384,8 +391,15 @@ class Sampler:
         self.process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "e2e.sampler", str(self.pid), name],
             stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             env=dict(os.environ, PYTHONPATH=str(TOOLS)),
         )
+        # Its first sample taken: a busy machine can take a second to start Python.
+        assert self.process.stdout is not None
+        with trio.fail_after(60):
+            said = await self.process.stdout.receive_some(64)
+        if said != sampler.SAMPLING:
+            raise AssertionError(f"e2e.sampler on {self.pid} did not start: {said!r}")
 
     async def stop(self) -> Samples | None:
         """The samples; None if it did not run or failed."""

@@ -1,7 +1,7 @@
 """``python -m e2e.sampler PID OUT``: how long process PID's threads ran and waited for a CPU,
-every millisecond, until stdin closes (or PID is gone, or two minutes pass); then the samples
-to OUT, one a line: ``epoch-seconds ran-seconds waited-seconds`` (sums over the threads, from
-/proc/PID/task/*/schedstat).
+every millisecond (``sampling`` on stdout once it has begun), until stdin closes (or PID is
+gone, or two minutes pass); then the samples to OUT, one a line: ``epoch-seconds ran-seconds
+waited-seconds`` (sums over the threads, from /proc/PID/task/*/schedstat).
 
 It runs at real-time priority (SCHED_FIFO), so that it samples on time however busy the machine
 is: the e2e reads from these samples how much of a leg of the plugin's was the machine's
@@ -17,6 +17,8 @@ import time
 
 INTERVAL = 0.001
 LONGEST = 120.0
+# Said on stdout once the first sample is taken.
+SAMPLING = b"sampling\n"
 
 
 def sample(tasks: str) -> tuple[float, int, int] | None:
@@ -49,6 +51,8 @@ def main(pid: int, out: str) -> int:
         if found is None:
             break
         samples.append(found)
+        if len(samples) == 1:
+            os.write(sys.stdout.fileno(), SAMPLING)
         # Readable stdin is its end (nothing is ever written to it): stop.
         if select.select([sys.stdin], [], [], INTERVAL)[0]:
             break
