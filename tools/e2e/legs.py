@@ -294,6 +294,8 @@ def why_refused(restart: Restart, pod_added: float | None) -> str:
         return "plugin late: " + "; ".join(late + [f"no {m}" for m in restart.missing()])
     taken = ms(restart._between(restart.created, pod_added))
     sent = ms(restart.register_leg)
+    if restart.register_wait:
+        sent += f", {ms(restart.register_wait)} of it waiting for a CPU"
     if pod_added is None or restart.register_read is None or pod_added < restart.register_read:
         when = (
             f"kubelet took the pod {taken} after kubelet.sock appeared, before the plugin's "
