@@ -23,6 +23,7 @@ from daemon_support import RESOURCE, WAIT, log_line, serving
 from metrics_support import metrics_port
 from raw_clients import Outcome, call, grpc_frame, http_get, reset_after
 
+from pcc_plugin import http_server
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
@@ -366,9 +367,13 @@ async def test_probes_are_answered_while_a_thousand_half_requests_wait(
         flood = await run_blocking(half_requests)
         try:
             for path in (b"/livez", b"/readyz"):
-                # Within the 1 s a kubelet probe waits by default (timeoutSeconds).
+                # Not how fast (that is the machine's as much as the daemon's): that the probe
+                # gets in at all. A daemon that made no room would take it only after the
+                # connections ahead of it timed out, REQUEST_TIMEOUT for each MAX_CONNECTIONS.
                 request = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n"
-                answer = await run_blocking(http_get, "127.0.0.1", port, request, timeout=1.0)
+                answer = await run_blocking(
+                    http_get, "127.0.0.1", port, request, timeout=http_server.REQUEST_TIMEOUT
+                )
                 assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
         finally:
             for sock in flood:

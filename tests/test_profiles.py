@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -308,29 +309,41 @@ async def test_a_file_that_is_not_regular_is_refused_without_waiting(tmp_path: P
 
 
 # Files just under 1 MiB in the shapes PyYAML's pure-Python parser is slowest at. Unbounded,
-# the flow list took over 20 s, the 100,000 aliases of 390 KiB 11 s.
+# the flow list took over 20 s, the 100,000 aliases of 390 KiB 11 s. Each is refused by its size,
+# unread.
 MIB = 1024 * 1024
 COSTLY = {
     "a flow list of one-character values": "x: [" + "1," * (MIB // 2 - 4) + "1]\n",
     "a block list": "x:\n" + "- 1\n" * (MIB // 4 - 1),
     "a mapping of many keys": "".join(f"k{i:06}: 1\n" for i in range(MIB // 12)),
     "100,000 aliases": "a: &a x\nb: [" + ", ".join(["*a"] * 100_000) + "]\n",
-    "a dense list within the size bound": "x: [" + "1," * (MAX_BYTES // 2 - 8) + "1]\n",
 }
 
 
 @pytest.mark.parametrize("text", COSTLY.values(), ids=COSTLY.keys())
-def test_costly_files_are_refused_within_a_second(tmp_path: Path, text: str) -> None:
+def test_costly_files_are_refused_by_their_size_unread(tmp_path: Path, text: str) -> None:
     path = write(tmp_path, text)
-    started = time.process_time()
-    with pytest.raises(ProfileError):
+    with pytest.raises(ProfileError, match=f"is larger than {MAX_BYTES // 1024} KiB"):
         load(path)
-    # CPU time, not wall time: the machine may be busy with other tests.
-    assert time.process_time() - started < 1.0
+
+
+def test_a_dense_list_within_the_size_bound_is_refused_where_the_values_run_over(
+    tmp_path: Path,
+) -> None:
+    """Not after parsing the whole file (PyYAML alone takes about 6 times as long): at the
+    value past the bound, whatever the machine's speed."""
+    path = write(tmp_path, "x: [" + "1," * (MAX_BYTES // 2 - 8) + "1]\n")
+    with pytest.raises(ProfileError) as error:
+        load(path)
+    found = re.search(r"at line 1, column (\d+): more than (\d+) values", str(error.value))
+    assert found, error.value
+    # Two characters a value: refused about the 10,000th of them, not at the line's end.
+    assert int(found[1]) <= len("x: [") + 2 * MAX_VALUES + 1 < os.path.getsize(path) // 6
+    assert int(found[2]) == MAX_VALUES
 
 
 # The costliest files within the bounds: the longest list of values, with the rest of the
-# bytes as blank lines, before or after it. They take under 0.5 s on a busy two-core machine.
+# bytes as blank lines, before or after it.
 VALUES_AT_THE_BOUND = "resources: [" + "1," * (MAX_VALUES - 4) + "1]\n"
 BLANK_LINES = "\n" * (MAX_BYTES - len(VALUES_AT_THE_BOUND))
 
@@ -340,15 +353,21 @@ BLANK_LINES = "\n" * (MAX_BYTES - len(VALUES_AT_THE_BOUND))
     [VALUES_AT_THE_BOUND + BLANK_LINES, BLANK_LINES + VALUES_AT_THE_BOUND],
     ids=["list first", "blank lines first"],
 )
-def test_the_costliest_files_within_the_bounds_take_under_a_second(
+def test_the_costliest_files_within_the_bounds_cost_about_what_the_parser_does(
     tmp_path: Path, text: str
 ) -> None:
+    """The bounds make the parser's cost the most a file can cost (0.3 s of CPU on a busy
+    two-core machine); the loader's own keeping count must not add much to it. Both in CPU
+    time, one after the other, so that the machine's speed and load cancel out."""
     path = write(tmp_path, text)
     assert os.path.getsize(path) == MAX_BYTES
     started = time.process_time()
+    yaml.compose(text, Loader=yaml.SafeLoader)
+    parser = time.process_time() - started
+    started = time.process_time()
     with pytest.raises(ProfileError, match=r"resources\[0\]: must be a mapping, got int"):
         load(path)
-    assert time.process_time() - started < 1.0
+    assert time.process_time() - started < 2 * parser
 
 
 VALID = textwrap.dedent(
@@ -370,7 +389,8 @@ VALID = textwrap.dedent(
     deadline=None,
     derandomize=True,
     database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    # too_slow: how fast examples are made is the machine's (a busy one is slow), not ours.
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
     edits=st.lists(

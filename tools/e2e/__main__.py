@@ -31,7 +31,32 @@ TOOLS = ("runc", "unshare", "mount", "ip", "kubectl", "go")
 # The cluster's certificates, and the CNI plugins its pods' network is made with.
 CLUSTER_TOOLS = ("openssl",)
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
+CNI_PACKAGE = "containernetworking-plugins"
 CGROUPS = Path("/sys/fs/cgroup")
+
+
+def cni_problem(plugin: Path) -> str:
+    """Why the cluster cannot use CNI plugin `plugin` ("" if it can): missing, or of a version
+    that does not speak the CNI version of the cluster's network configuration."""
+    from .node import CNI_VERSION
+
+    if not plugin.exists():
+        return f"no CNI plugin {plugin.name} in {plugin.parent} (Debian: {CNI_PACKAGE})"
+    asked = subprocess.run(
+        [plugin], env={"CNI_COMMAND": "VERSION"}, stdin=subprocess.DEVNULL, capture_output=True,
+        text=True, timeout=30, check=False,
+    )  # fmt: skip
+    try:
+        supported = json.loads(asked.stdout)["supportedVersions"]
+    except (ValueError, KeyError, TypeError):
+        supported = None
+    fix = f"{CNI_PACKAGE} 1.0 or newer in {plugin.parent}"
+    if supported is None:
+        answer = (asked.stdout or asked.stderr).strip()[:80]
+        return f"CNI plugin {plugin} does not say its CNI versions ({answer!r}): {fix}"
+    if CNI_VERSION not in supported:
+        return f"CNI plugin {plugin} speaks CNI {', '.join(supported)}, not {CNI_VERSION}: {fix}"
+    return ""
 
 
 def preflight(cluster: bool) -> list[str]:
@@ -42,14 +67,10 @@ def preflight(cluster: bool) -> list[str]:
     problems = [f"{tool} is not on PATH" for tool in tools if shutil.which(tool) is None]
     problems += filter(None, [images.busybox_problem()])
     if cluster:
-        problems += [
-            f"no CNI plugin {plugin} in {CNI_DIRECTORY} (Debian: containernetworking-plugins)"
-            for plugin in CNI_PLUGINS
-            if not (Path(CNI_DIRECTORY) / plugin).exists()
-        ]
+        problems += [cni_problem(Path(CNI_DIRECTORY) / plugin) for plugin in CNI_PLUGINS]
     if os.geteuid() != 0:
         problems.append("needs root")
-    return problems
+    return [problem for problem in problems if problem]
 
 
 def _image_references(archive: Path) -> list[str]:
@@ -106,10 +127,18 @@ def _binaries(cluster: bool) -> list[str]:
         control_plane = builds.ensure("control-plane", log)
         found["kube-apiserver"] = control_plane / "kube-apiserver"
         found["etcd"] = builds.ensure("etcd", log) / "etcd"
-    for binary in found.values():
-        version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True)
+    # Not built here: the first runc on PATH, named to containerd by its path (node.py).
+    found["runc"] = Path(shutil.which("runc") or "runc").resolve()
+    for name, binary in found.items():
+        version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+        if version.returncode != 0 or not version.stdout.strip():
+            raise SystemExit(
+                f"e2e: {name} {binary} does not run (`--version`: exit {version.returncode}, "
+                f"{(version.stderr or version.stdout).strip()[:200]!r}); see docs/e2e.md"
+            )
         log(f"{binary}: {version.stdout.strip().splitlines()[0]}")
-    argv = ["--kubelet", str(kubelet), "--containerd", str(found["containerd"].parent)]
+    argv = ["--kubelet", str(kubelet), "--containerd", str(found["containerd"].parent),
+            "--runc", str(found["runc"])]  # fmt: skip
     if cluster:
         argv += ["--control-plane", str(control_plane), "--etcd", str(found["etcd"])]
     return argv
@@ -214,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands.choices[name].add_argument("--keep-logs", action="store_true")
     inner = commands.choices["inside"]
     inner.add_argument("--session", choices=("e2e", "cluster"), required=True)
-    for option in ("--state", "--logs", "--kubelet", "--containerd", "--pause-image",
+    for option in ("--state", "--logs", "--kubelet", "--containerd", "--runc", "--pause-image",
                    "--pause-reference", "--consumer-image", "--consumer-reference",
                    "--plugin-reference"):  # fmt: skip
         inner.add_argument(option, required=True)

@@ -29,7 +29,7 @@ with the time since the start, and figures:
 5. ``kubectl logs`` shows the plugin's start and registration; ``kubectl exec`` of the doctor in
    the plugin's pod passes; ``/metrics`` from the pod's IP counts registrations and allocations;
 6. kubelet restarted three times with consumers running: they keep their containers and devices,
-   allocatable is back within a second of kubelet's device plugin registration server; the
+   and the plugin's own legs of each restart (tools/e2e/legs.py) are within their bounds; the
    plugin's pod deleted: the DaemonSet makes a new one, registered again;
 7. the migration to the DRA mode and back, as docs/dra.md says (cluster_dra.py), with the
    consumers running: they keep their containers and devices both ways;
@@ -56,7 +56,7 @@ import attrs
 import trio
 import yaml
 
-from . import api, kube, kubelet_log, pods
+from . import api, kube, kubelet_log, legs, pods
 from .control_plane import ControlPlane
 from .kube import Obj
 from .node import NODE_NAME, Node
@@ -756,16 +756,32 @@ class Cluster:
 
     # 6.
 
+    async def plugin_log(self) -> Path:
+        """The running plugin pod's container log, where kubelet keeps it."""
+        (pod,) = self.plugin_pods()
+        (status,) = pod["status"]["containerStatuses"]
+        return legs.container_log(SYSTEM, pod["metadata"]["name"], pod["metadata"]["uid"],
+                                  status["name"], status.get("restartCount", 0))  # fmt: skip
+
     async def kubelet_restarts(self) -> None:
         self.report.variant = "6 restarts"
         kept = await self.running_consumers()
         kubelet = self.node.kubelet
+        restarts: list[legs.Restart] = []
+        (plugin,) = self.plugin_pods()
+        pid, _ = (await self.node.tasks())[container_id(plugin)]
         for number in range(1, 4):
             server_at: list[float] = []
+            sampler = legs.Sampler(pid)
+            await sampler.start()
             await kubelet.stop()
-            kubelet.on_line(kubelet_log.REGISTRATION_SERVER, functools.partial(seen, server_at))
+            kubelet.forget_actions()
+            kubelet.on_line(functools.partial(seen, server_at), kubelet_log.REGISTRATION_SERVER)
             await kubelet.start()
-            _, back = await wait_allocatable(f"kubelet restart {number}", SHARES)
+            _, back = await wait_allocatable(
+                f"kubelet restart {number}: the plugin registered with the new kubelet", SHARES
+            )
+            samples = await sampler.stop()
             expect(bool(server_at), f"{kubelet.log}: no {kubelet_log.REGISTRATION_SERVER!r}")
             self.report.figure(f"restart {number}: kubelet started → {SHARES} allocatable",
                                back - kubelet.started_at)  # fmt: skip
@@ -773,12 +789,32 @@ class Cluster:
                 f"restart {number}: registration server started → {SHARES} allocatable",
                 back - server_at[0],
             )
+            restart = await legs.read_restart(kubelet, self.plugin_log, RESOURCE, SHARES, samples)
+            restarts.append(restart)
+            for attribute, name, span, _ in legs.LEGS:
+                value = getattr(restart, attribute)
+                if value is not None:
+                    self.report.figure(f"restart {number}: the plugin's {name}, {span}", value)
             await self.consumers_kept(kept, f"kubelet restart {number}")
-            expect(back - server_at[0] <= 1.0, "allocatable not back within a second")
             self.report.check(
                 f"kubelet restart {number}: {SHARES} allocatable {back - server_at[0]:.2f} s after "
                 f"its registration server started; {len(kept.pods)} consumers kept their "
                 "containers and devices"
+            )
+        # How soon allocatable is back is kubelet's and the machine's as much as the plugin's:
+        # what is judged is the plugin's own part, as in the e2e's race.
+        problems = legs.over_bounds(restarts)
+        for problem in problems:
+            self.report.fail(f"kubelet restarts: {problem}")
+        if not problems:
+            self.report.check(
+                "kubelet restarts: the plugin's legs within their bounds ("
+                + ", ".join(
+                    f"{name}, its own part, at most "
+                    f"{max(legs.judged(restarts, attribute)) * 1000:.1f} ms ≤ {bound * 1000:.0f} ms"
+                    for attribute, name, _, bound in legs.LEGS
+                )
+                + ")"
             )
         (old,) = self.plugin_pods()
         deleted = now()

@@ -162,7 +162,8 @@ async def main(args: argparse.Namespace) -> int:
             if control_plane is not None:
                 joining["kubeconfig"] = control_plane.kubelet_kubeconfig
                 joining["client_ca"] = control_plane.pki.ca.certificate
-            node = Node(state, logs, Path(args.kubelet), Path(args.containerd), nursery, **joining)
+            node = Node(state, logs, Path(args.kubelet), Path(args.containerd), Path(args.runc),
+                        nursery, **joining)  # fmt: skip
             try:
                 if control_plane is None:
                     await start_node(node, args, report)

@@ -5,9 +5,11 @@ of a one-layer image, in the docker-archive format that ``ctr images import`` re
 (``manifest.json``, the image config and the layer tarball), with fixed timestamps so the same
 source gives the same image. The yardstick (``yardstick/main.go``, a Go device plugin for the
 race's figures; docs/e2e.md) is a static binary that its pod runs from a hostPath. Both are
-cached in the cache directory under the hash of their source and the Go version. The consumers'
-image stands in for the examples' busybox: this machine's static busybox (Debian's
-busybox-static) and a link for each of its applets, one layer, cached under the binary's hash.
+cached in the cache directory under the hash of their source and the Go version. Another clone
+on the same machine (CI's beside a contributor's) may be running from another entry right now:
+an entry is removed only once no run has used it for `STALE_AFTER`. The consumers' image stands
+in for the examples' busybox: this machine's static busybox (Debian's busybox-static) and a link
+for each of its applets, one layer, cached under the binary's hash.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -32,6 +35,7 @@ YARDSTICK_SOURCE = HERE / "yardstick"
 PAUSE_REPOSITORY = "localhost/pcc-e2e/pause"
 CONSUMER_REPOSITORY = "localhost/pcc-e2e/consumer"
 BUSYBOX = Path("/bin/busybox")
+STALE_AFTER = 7 * 86400
 
 
 def _go_env(go: str, name: str) -> str:
@@ -81,8 +85,10 @@ def go_build(go: str, source: Path, binary: Path) -> None:
 
 
 def _remove_stale(kept: Path, pattern: str) -> None:
+    """Mark `kept` used now; remove the other entries no run has used for STALE_AFTER."""
+    os.utime(kept)
     for stale in kept.parent.glob(pattern):
-        if stale != kept:
+        if stale != kept and time.time() - stale.stat().st_mtime > STALE_AFTER:
             if stale.is_dir():
                 shutil.rmtree(stale)
             else:
@@ -99,7 +105,7 @@ def yardstick_binary() -> Path:
         with tempfile.TemporaryDirectory(dir=directory.parent) as tmp:
             go_build(go, YARDSTICK_SOURCE, Path(tmp) / "yardstick")
             os.replace(Path(tmp) / "yardstick", binary)
-        _remove_stale(directory, "yardstick-*")
+    _remove_stale(directory, "yardstick-*")
     return binary
 
 
@@ -142,6 +148,7 @@ def pause_archive() -> tuple[Path, str]:
     reference = f"{PAUSE_REPOSITORY}:{key}"
     target = CACHE / "e2e" / f"pause-{key}.tar"
     if target.exists():
+        _remove_stale(target, "pause-*.tar")
         return target, reference
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

@@ -129,15 +129,21 @@ class Daemon:
     argv: list[str]
     log: Path
     nursery: trio.Nursery | None = None
+    env: dict[str, str] | None = None
     process: trio.Process | None = None
     started_at: float = 0.0
     starts: int = 0
-    actions: list[tuple[str, Callable[[], None]]] = attrs.field(factory=list)
+    actions: list[tuple[tuple[str, ...], Callable[[], None]]] = attrs.field(factory=list)
 
-    def on_line(self, words: str, action: Callable[[], None]) -> None:
-        """Call `action` once, as soon as the daemon writes a line containing `words`."""
+    def on_line(self, action: Callable[[], None], *words: str) -> None:
+        """Call `action` once, as soon as the daemon writes a line containing every one of
+        `words`."""
         assert self.nursery is not None, f"{self.name}'s output is not watched"
         self.actions.append((words, action))
+
+    def forget_actions(self) -> None:
+        """Drop the actions whose lines never came."""
+        self.actions.clear()
 
     async def start(self) -> None:
         assert self.process is None, f"{self.name} already runs"
@@ -152,6 +158,7 @@ class Daemon:
                 stdout=out if self.nursery is None else subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=self.env,
             )
         if self.nursery is not None:
             assert self.process.stdout is not None
@@ -169,7 +176,7 @@ class Daemon:
 
     def _act_on(self, line: str) -> None:
         for entry in list(self.actions):
-            if entry[0] in line:
+            if all(word in line for word in entry[0]):
                 self.actions.remove(entry)
                 entry[1]()
 
@@ -200,9 +207,13 @@ class Daemon:
             raise RuntimeError(f"{self.name} is not running (exit status {code}); see {self.log}")
 
 
-def containerd_config(state: Path, sandbox_image: str) -> str:
+def containerd_config(state: Path, sandbox_image: str, shim: Path, runc: Path) -> str:
     """containerd 2.x's configuration (version 3). CNI: the configurations in the state
-    directory's cni/net.d (none for the e2e, whose pods use the host network), Debian's plugins."""
+    directory's cni/net.d (none for the e2e, whose pods use the host network), Debian's plugins.
+
+    The shim and runc by absolute path: containerd looks for its shim on PATH before beside
+    itself, and the shim for runc on PATH, so a machine's own containerd (Debian's 1.6, whose
+    shim cannot serve 2.x) or another runc would be taken instead."""
     cni = state / "cni"
     return f"""\
 version = 3
@@ -239,6 +250,9 @@ disabled_plugins = [
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+      runtime_path = "{shim}"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        BinaryName = "{runc}"
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["{CNI_PLUGINS}"]
     conf_dir = "{cni / "net.d"}"
@@ -249,20 +263,21 @@ disabled_plugins = [
 # and no port mapping, which would need iptables: nothing leaves the namespace. The pods' default
 # route is the bridge, so they reach the `kubernetes` Service's address on the node
 # (control_plane.py).
-CNI_CONFIG = """\
-{
-  "cniVersion": "1.0.0",
+CNI_VERSION = "1.0.0"
+CNI_CONFIG = f"""\
+{{
+  "cniVersion": "{CNI_VERSION}",
   "name": "pcc-e2e",
   "plugins": [
-    {
+    {{
       "type": "bridge",
       "bridge": "pcc-e2e0",
       "isDefaultGateway": true,
       "ipMasq": false,
-      "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]]}
-    }
+      "ipam": {{"type": "host-local", "ranges": [[{{"subnet": "10.244.0.0/24"}}]]}}
+    }}
   ]
-}
+}}
 """
 
 
@@ -320,6 +335,7 @@ class Node:
     logs: Path
     kubelet_binary: Path
     containerd_binaries: Path
+    runc: Path
     nursery: trio.Nursery
     kubeconfig: Path | None = None
     client_ca: Path | None = None
@@ -334,10 +350,13 @@ class Node:
         for directory in (self.static_pods, self.staging, self.state / "cni" / "net.d"):
             directory.mkdir(parents=True, exist_ok=True)
         config = self.state / "containerd.toml"
+        # Anything else containerd finds by name, from its own build first.
+        path = os.pathsep.join([str(self.containerd_binaries), os.environ.get("PATH", "")])
         self.containerd = Daemon(
             "containerd",
             [str(self.containerd_binaries / "containerd"), "--config", str(config)],
             self.logs / "containerd.log",
+            env=dict(os.environ, PATH=path),
         )
         kubelet_config_file = self.state / "kubelet.yaml"
         kubelet_config_file.write_text(kubelet_config(self.static_pods, self.client_ca))
@@ -357,7 +376,9 @@ class Node:
         )  # fmt: skip
 
     def write_containerd_config(self, sandbox_image: str) -> None:
-        (self.state / "containerd.toml").write_text(containerd_config(self.state, sandbox_image))
+        shim = self.containerd_binaries / "containerd-shim-runc-v2"
+        config = containerd_config(self.state, sandbox_image, shim, self.runc)
+        (self.state / "containerd.toml").write_text(config)
 
     def write_cni_config(self) -> None:
         """A bridge for pods off the host network (the cluster's), its gateway on the node."""

@@ -18,6 +18,7 @@ class Report:
     has a column per `column` (the variant, unless set)."""
 
     figures: dict[str, dict[str, float]] = attrs.field(factory=dict)
+    counts: set[str] = attrs.field(factory=set)
     facts: list[str] = attrs.field(factory=list)
     failures: list[str] = attrs.field(factory=list)
     variant: str = ""
@@ -42,13 +43,21 @@ class Report:
 
     def figure(self, name: str, seconds: float) -> None:
         self.figures.setdefault(name, {})[self.column or self.variant] = seconds
-        self.say("TIME", f"{name}: {seconds:.2f} s")
+        self.say("TIME", f"{name}: {seconds:.3f} s")
+
+    def count(self, name: str, number: int) -> None:
+        """A figure that is a number of things, not seconds."""
+        self.counts.add(name)
+        self.figures.setdefault(name, {})[self.column or self.variant] = number
+        self.say("TIME", f"{name}: {number}")
 
     def table(self) -> str:
         variants = list(dict.fromkeys(v for row in self.figures.values() for v in row))
-        width = max((len(name) for name in self.figures), default=10)
-        lines = [f"{'figure (seconds)':<{width}}  " + "  ".join(f"{v:>15}" for v in variants)]
+        width = max((len(name) for name in self.figures), default=28)
+        lines = [f"{'figure (seconds, or a count)':<{width}}  "
+                 + "  ".join(f"{v:>15}" for v in variants)]  # fmt: skip
         for name, row in self.figures.items():
-            cells = (f"{row[v]:>15.3f}" if v in row else f"{'-':>15}" for v in variants)
+            shown = "{:>15.0f}" if name in self.counts else "{:>15.3f}"
+            cells = (shown.format(row[v]) if v in row else f"{'-':>15}" for v in variants)
             lines.append(f"{name:<{width}}  " + "  ".join(cells))
         return "\n".join(lines)

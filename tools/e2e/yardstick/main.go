@@ -4,6 +4,8 @@
 // on the socket directory, and at each new kubelet.sock a fresh socket of its own and Register
 // at once, retried every 5 ms while kubelet refuses. It answers like the Python plugin
 // (16 shares of /dev/sev-guest, /var/run/pcc mounted) so that the race's consumers run.
+// It logs, in klog's format, the lines the e2e reads the plugin's legs from (tools/e2e/legs.py),
+// in the Python plugin's words and at the same steps.
 package main
 
 import (
@@ -38,11 +40,20 @@ type plugin struct {
 	devices []*api.Device
 }
 
+// logf writes one line as klog does: severity, month and day, time of day to the microsecond.
+func logf(format string, args ...any) {
+	stamp := time.Now().Format("0102 15:04:05.000000")
+	fmt.Fprintf(os.Stderr, "I%s %7d main.go:0] %s\n", stamp, os.Getpid(), fmt.Sprintf(format, args...))
+}
+
+// Only kubelet calls the yardstick, so every call is kubelet's.
 func (p *plugin) GetDevicePluginOptions(context.Context, *api.Empty) (*api.DevicePluginOptions, error) {
+	logf("Kubelet dialled in")
 	return &api.DevicePluginOptions{}, nil
 }
 
 func (p *plugin) ListAndWatch(_ *api.Empty, stream grpc.ServerStreamingServer[api.ListAndWatchResponse]) error {
+	logf("ListAndWatch stream opened on kubelet's connection (kubelet's)")
 	if err := stream.Send(&api.ListAndWatchResponse{Devices: p.devices}); err != nil {
 		return err
 	}
@@ -80,13 +91,14 @@ func (p *plugin) serve(dir string) (*grpc.Server, error) {
 func register(ctx context.Context, dir, resource string) {
 	deadline := time.Now().Add(registerFor)
 	for attempt := 1; ; attempt++ {
+		logf("Registering %s at %s with endpoint %s", resource, filepath.Join(dir, kubeletSocket), endpoint)
 		err := registerOnce(ctx, dir, resource)
 		if err == nil {
-			log.Printf("registered (attempt %d)", attempt)
+			logf("Registered device plugin with Kubelet (attempt %d)", attempt)
 			return
 		}
 		if ctx.Err() != nil || time.Now().After(deadline) {
-			log.Printf("Register: %v; waiting for the next kubelet.sock", err)
+			logf("Register: %v; waiting for the next kubelet.sock", err)
 			return
 		}
 		select {
@@ -137,6 +149,7 @@ func kubeletSockets(dir string) (<-chan struct{}, error) {
 				name := string(bytes.TrimRight(buffer[offset+unix.SizeofInotifyEvent:offset+unix.SizeofInotifyEvent+int(event.Len)], "\x00"))
 				offset += unix.SizeofInotifyEvent + int(event.Len)
 				if name == kubeletSocket {
+					logf("inotify: %s created, restarting.", filepath.Join(dir, name))
 					select {
 					case created <- struct{}{}:
 					default: // one pending restart covers any number of sockets
