@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -155,7 +156,7 @@ def checked(check: Callable[[str], object]) -> Callable[[str], object]:
 
 def positive_seconds(value: str) -> float:
     seconds = float(value)
-    if not seconds > 0:
+    if not 0 < seconds < math.inf:
         raise ValueError(f"{value} is not a number of seconds above 0")
     return seconds
 
@@ -164,10 +165,15 @@ def add_dra_commands(commands: Any) -> None:
     dra = commands.add_parser(
         "dra", help="serve the fake API server and the simulated kubelet's DRA side"
     )
-    dra.add_argument("--dir", required=True, type=Path, help="where to serve (short: sockets)")
+    dra.add_argument(
+        "--dir",
+        required=True,
+        type=Path,
+        help="where to serve: a short path, for unix sockets (mktemp -d makes one)",
+    )
     dra.add_argument(
         "--node",
-        type=checked(dra_commands.namespace_name),
+        type=checked(dra_commands.dns_subdomain),
         default=dra_commands.NODE,
         help="the Node's name (default: %(default)s)",
     )
@@ -186,7 +192,7 @@ def add_dra_commands(commands: Any) -> None:
         one.add_argument("--dir", required=True, type=Path, help="where `dra` serves")
         one.add_argument(
             "--namespace",
-            type=checked(dra_commands.namespace_name),
+            type=checked(dra_commands.dns_label),
             default="default",
             help="the claim's namespace (default: %(default)s)",
         )
@@ -214,7 +220,7 @@ def add_dra_commands(commands: Any) -> None:
                 metavar="NAME",
                 help="the device to allocate (default: the first free one)",
             )
-        one.add_argument("claim", type=checked(dra_commands.claim_name), metavar="CLAIM")
+        one.add_argument("claim", type=checked(dra_commands.dns_subdomain), metavar="CLAIM")
     stop = commands.add_parser("stop", help="stop the simulator that `dra` started")
     stop.add_argument("--dir", required=True, type=Path, help="where `dra` serves")
 
@@ -270,6 +276,8 @@ def main() -> None:
     except dra_commands.CommandError as error:
         print(f"{parser.prog} {args.command}: {error}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)  # Ctrl-C while waiting: the shell's own status for it, no traceback
     except ValueError as too_long:
         parser.error(str(too_long))
 

@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import os
-import re
 import select
 import signal
 import socket
@@ -32,8 +31,10 @@ from typing import Any
 
 import grpc
 
+from pcc_plugin.flags import MAX_KUBELET_DIR_BYTES
 from pcc_plugin.sim.apiserver import FakeApiServer
 from pcc_plugin.sim.dra import CALL_TIMEOUT, SimDraKubelet
+from pcc_plugin.sim.rules import is_dns_label, is_dns_subdomain
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ CONTROL_SOCKET = "sim.sock"
 KUBECONFIG = "kubeconfig"
 REGISTRY = "plugins_registry"
 LOG = "sim.log"
-# The driver's directories the printed command line and `prepare` assume (its flags say where).
+# The driver's directories that `dra` suggests and `prepare` assumes (its flags say where).
 PLUGINS = "plugins"
 CDI = "cdi"
 # The claim's one request, as in manifests/examples/dra-app.
@@ -54,29 +55,26 @@ MAX_LINE = 4096
 START_TIMEOUT = 30.0
 # What `prepare` and `unprepare` wait for the driver by default.
 DRIVER_TIMEOUT = 30.0
-SOCKET_PATH_MAX = 107
-# Names as Kubernetes checks them: a ResourceClaim's is a DNS subdomain, a namespace a DNS label.
-_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 class CommandError(Exception):
     """What went wrong, in one line with the fix; the command exits 1."""
 
 
-def claim_name(value: str) -> str:
-    if len(value) > 253 or not _SUBDOMAIN.fullmatch(value):
+def dns_subdomain(value: str) -> str:
+    """A ResourceClaim's or a Node's name, as Kubernetes checks it."""
+    if not is_dns_subdomain(value):
         raise ValueError(
-            f"{value!r} is not a ResourceClaim name: lowercase letters, digits, '-' and '.', "
-            "at most 253"
+            f"{value!r} is not a DNS subdomain: lowercase letters, digits, '-' and '.', at most 253"
         )
     return value
 
 
-def namespace_name(value: str) -> str:
-    if len(value) > 63 or not _LABEL.fullmatch(value):
+def dns_label(value: str) -> str:
+    """A namespace's name, as Kubernetes checks it."""
+    if not is_dns_label(value):
         raise ValueError(
-            f"{value!r} is not a namespace: lowercase letters, digits and '-', at most 63"
+            f"{value!r} is not a DNS label: lowercase letters, digits and '-', at most 63"
         )
     return value
 
@@ -84,10 +82,13 @@ def namespace_name(value: str) -> str:
 def usable_dir(directory: Path) -> Path:
     """`directory`, created, absolute; CommandError if the simulator cannot serve there."""
     directory = directory.absolute()
-    if len(os.fsencode(directory / CONTROL_SOCKET)) > SOCKET_PATH_MAX:
+    # The driver's sockets go in DIR/plugins_registry and DIR/plugins, the longer of the two.
+    size = len(os.fsencode(directory / REGISTRY))
+    if size > MAX_KUBELET_DIR_BYTES:
         raise CommandError(
-            f"--dir {directory}: its unix sockets' paths would be longer than {SOCKET_PATH_MAX} "
-            "bytes; give a shorter directory (mktemp -d makes one)"
+            f"--dir {directory}: the driver's --kubelet-registry-path, {directory / REGISTRY}, "
+            f"would be {size} bytes, more than the {MAX_KUBELET_DIR_BYTES} its unix sockets "
+            "leave; give a shorter directory (mktemp -d makes one in /tmp)"
         )
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -157,8 +158,6 @@ class SimCluster:
                 return self.unprepare(request)
         except CommandError as error:
             return {"error": str(error)}
-        except (KeyError, TypeError, ValueError) as malformed:
-            return {"error": f"malformed request {request!r}: {malformed!r}"}
         return {"error": f"unknown call {call!r}"}
 
     def wait_for_driver(self, driver: str, timeout: float, devices: bool) -> None:
@@ -186,12 +185,14 @@ class SimCluster:
             ) from None
 
     def published(self, driver: str) -> list[str]:
-        """The devices the node's slices of `driver` list."""
+        """The devices the node's slices of `driver` list, but for tainted ones, which the
+        scheduler gives no claim that does not tolerate the taint (these tolerate none)."""
         return [
             device["name"]
             for obj in self.api.slices(self.node)
             if obj["spec"]["driver"] == driver
             for device in obj["spec"].get("devices") or []
+            if not device.get("taints")
         ]
 
     def allocated(self, driver: str) -> dict[str, str]:
@@ -312,18 +313,18 @@ class _ControlHandler(socketserver.StreamRequestHandler):
         self.wfile.write(json.dumps(answer).encode() + b"\n")
         self.wfile.flush()
         if request == {"call": "stop"}:
-            # Held open until this process exits: `stop` returns once it has.
-            self.server.exited.wait()
+            # Held open until this process exits (the client reads until then, so this read
+            # ends only with the process): `stop` returns once the simulator is gone.
+            self.rfile.read()
 
 
 class ControlServer(socketserver.ThreadingUnixStreamServer):
+    # A `stop` connection stays open until the process exits: not waited for.
     daemon_threads = True
-    # A `stop` connection stays open until the process exits.
     block_on_close = False
 
     def __init__(self, path: Path, cluster: SimCluster) -> None:
         self.cluster = cluster
-        self.exited = threading.Event()
         super().__init__(str(path), _ControlHandler)
 
 
@@ -361,11 +362,11 @@ def serve_dra(directory: Path, node: str, ready_fd: int | None) -> int:
 def serving(directory: Path, node: str, said: dict[str, Any]) -> str:
     return "\n".join(
         [
-            f"The simulator serves in {directory} (pid {said['pid']}):",
-            f"  the fake API server at {said['url']}, with the Node {node}; "
-            f"--kubeconfig={directory / KUBECONFIG}",
-            f"  the simulated kubelet's DRA side, watching --kubelet-registry-path="
-            f"{directory / REGISTRY}",
+            f"The simulator serves in {directory} (pid {said['pid']}): the fake API server at "
+            f"{said['url']}, with the Node {node}, and the simulated kubelet's DRA side.",
+            f"The driver's flags for them: --mode=dra --node-name={node} "
+            f"--kubeconfig={directory / KUBECONFIG} --kubelet-registry-path={directory / REGISTRY} "
+            f"--kubelet-plugins-path={directory / PLUGINS} --cdi-spec-dir={directory / CDI}",
             f"Stop it with: python -m pcc_plugin.sim stop --dir {directory}",
         ]
     )
@@ -411,7 +412,7 @@ def start_dra(directory: Path, node: str) -> int:
         why = said[-1] if said else f"nothing said within {START_TIMEOUT:g} s"
         raise CommandError(f"the simulator did not start (its log: {log_path}): {why}")
     print(serving(directory, node, json.loads(line)))
-    print(f"  (in the background; its log: {log_path})")
+    print(f"It runs in the background; its log: {log_path}")
     return 0
 
 
@@ -449,7 +450,8 @@ def ask(directory: Path, request: dict[str, Any], timeout: float) -> dict[str, A
             f"the simulator in {directory} ended the call without an answer "
             f"(its log: {directory / LOG})"
         ) from None
-    if "error" in answer and request["call"] not in ("prepare", "unprepare"):
+    # An answer about a claim (with its UID) says how the driver answered, error or not.
+    if "error" in answer and "uid" not in answer:
         raise CommandError(str(answer["error"]))
     return answer
 
@@ -464,10 +466,7 @@ def claim_call(directory: Path, call: str, args: Any) -> dict[str, Any]:
     }
     if call == "prepare":
         request["device"] = args.device
-    answer = ask(directory, request, args.timeout + CALL_TIMEOUT + 5)
-    if answer.get("uid") is None:
-        raise CommandError(str(answer["error"]))
-    return answer
+    return ask(directory, request, args.timeout + CALL_TIMEOUT + 5)
 
 
 def cdi_spec_naming(cdi_dir: Path, device_id: str) -> Path | None:
