@@ -7,7 +7,8 @@ python -m pcc_plugin.sim allocate --dir /tmp/pcc-try/device-plugins [--resource 
     given it: from the endpoint that resource registered last with that kubelet, or without
     --resource from the newest plugin socket in the directory
 
-The DRA mode (pcc_plugin/sim/dra_commands.py; docs/dra.md, "Try it on a laptop"):
+The DRA mode (pcc_plugin/sim/dra_commands.py and dra_cluster.py; docs/dra.md, "Try it on a
+laptop"):
 
 python -m pcc_plugin.sim dra --dir DIR [--node NAME] [--foreground]
     the fake API server (a kubeconfig for it in DIR) and the simulated kubelet's DRA side,
@@ -227,7 +228,10 @@ def add_dra_commands(commands: Any) -> None:
 
 def run_dra_command(args: argparse.Namespace) -> int:
     if args.command == "dra" and args.foreground:
-        return dra_commands.serve_dra(args.dir, args.node, args.ready_fd)
+        # Only here: the fake API server and kubelet's DRA side, and their imports.
+        from pcc_plugin.sim.dra_cluster import serve_dra
+
+        return serve_dra(args.dir, args.node, args.ready_fd)
     if args.command == "dra":
         return dra_commands.start_dra(args.dir, args.node)
     if args.command == "prepare":
