@@ -32,6 +32,7 @@ from pcc_plugin.sim import (
     run_blocking,
 )
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
+from pcc_plugin.sim.demo import DRA_ON_A_LAPTOP
 from pcc_plugin.sim.rules import ALLOCATE, REGISTER, is_extended_resource_name
 
 RESOURCE = "example.com/widget"
@@ -761,6 +762,10 @@ async def test_the_demo_tells_the_whole_story() -> None:
     story = demo.stdout.decode()
     assert demo.returncode == 0, story
     assert "8. SIGTERM sent: the daemon exited with code 0" in story
+    # It ends by pointing at the DRA mode's recipe, which is there.
+    assert story.splitlines()[-1] == DRA_ON_A_LAPTOP
+    dra_docs = Path(__file__).resolve().parent.parent / "docs" / "dra.md"
+    assert "\n## Try it on a laptop\n" in dra_docs.read_text()
 
 
 # Trying it by hand (README): the simulated kubelet as a command, and `allocate`.

@@ -6,6 +6,20 @@ python -m pcc_plugin.sim allocate --dir /tmp/pcc-try/device-plugins [--resource 
     what kubelet's Allocate of those devices gets from the plugin, as a container would be
     given it: from the endpoint that resource registered last with that kubelet, or without
     --resource from the newest plugin socket in the directory
+
+The DRA mode (pcc_plugin/sim/dra_commands.py and dra_cluster.py; docs/dra.md, "Try it on a
+laptop"):
+
+python -m pcc_plugin.sim dra --dir DIR [--node NAME] [--foreground]
+    the fake API server (a kubeconfig for it in DIR) and the simulated kubelet's DRA side,
+    in the background once both serve
+python -m pcc_plugin.sim prepare --dir DIR [--device pcc-N] CLAIM
+    allocate the ResourceClaim CLAIM a device, have the simulated kubelet prepare it, and show
+    the answer and the claim's CDI spec; waits for the driver first (--timeout)
+python -m pcc_plugin.sim unprepare --dir DIR CLAIM
+    have the simulated kubelet unprepare it, and delete it
+python -m pcc_plugin.sim stop --dir DIR
+    stop the simulator serving in DIR
 """
 
 from __future__ import annotations
@@ -13,15 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
 import grpc
 
+from pcc_plugin.sim import dra_commands
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.sim.demo import what_the_container_gets
 from pcc_plugin.sim.kubelet import SimKubelet
@@ -118,10 +136,116 @@ def allocate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, as every usage error of the project's commands.
+        print(f"{self.prog}: {message.removeprefix('argument ')} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def checked(check: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type from a check that raises ValueError with the reason."""
+
+    def convert(value: str) -> object:
+        try:
+            return check(value)
+        except ValueError as invalid:
+            raise argparse.ArgumentTypeError(str(invalid)) from None
+
+    return convert
+
+
+def positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{value} is not a number of seconds above 0")
+    return seconds
+
+
+def add_dra_commands(commands: Any) -> None:
+    dra = commands.add_parser(
+        "dra", help="serve the fake API server and the simulated kubelet's DRA side"
+    )
+    dra.add_argument(
+        "--dir",
+        required=True,
+        type=Path,
+        help="where to serve: a short path, for unix sockets (mktemp -d makes one)",
+    )
+    dra.add_argument(
+        "--node",
+        type=checked(dra_commands.dns_subdomain),
+        default=dra_commands.NODE,
+        help="the Node's name (default: %(default)s)",
+    )
+    dra.add_argument(
+        "--foreground",
+        action="store_true",
+        help="stay in the foreground, printing one line per event",
+    )
+    # The background process says on this descriptor that it serves.
+    dra.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    for name, does in (
+        ("prepare", "allocate a ResourceClaim a device and have kubelet prepare it"),
+        ("unprepare", "have kubelet unprepare a ResourceClaim, then delete it"),
+    ):
+        one = commands.add_parser(name, help=does)
+        one.add_argument("--dir", required=True, type=Path, help="where `dra` serves")
+        one.add_argument(
+            "--namespace",
+            type=checked(dra_commands.dns_label),
+            default="default",
+            help="the claim's namespace (default: %(default)s)",
+        )
+        one.add_argument(
+            "--driver",
+            default=dra_commands.DRIVER,
+            help="the DRA driver's name (default: %(default)s)",
+        )
+        one.add_argument(
+            "--timeout",
+            type=checked(positive_seconds),
+            default=dra_commands.DRIVER_TIMEOUT,
+            metavar="SECONDS",
+            help="how long to wait for the driver (default: %(default)g)",
+        )
+        one.add_argument(
+            "--cdi-spec-dir",
+            type=Path,
+            metavar="DIR",
+            help="the driver's --cdi-spec-dir (default: DIR/cdi of --dir)",
+        )
+        if name == "prepare":
+            one.add_argument(
+                "--device",
+                metavar="NAME",
+                help="the device to allocate (default: the first free one)",
+            )
+        one.add_argument("claim", type=checked(dra_commands.dns_subdomain), metavar="CLAIM")
+    stop = commands.add_parser("stop", help="stop the simulator that `dra` started")
+    stop.add_argument("--dir", required=True, type=Path, help="where `dra` serves")
+
+
+def run_dra_command(args: argparse.Namespace) -> int:
+    if args.command == "dra" and args.foreground:
+        # Only here: the fake API server and kubelet's DRA side, and their imports.
+        from pcc_plugin.sim.dra_cluster import serve_dra
+
+        return serve_dra(args.dir, args.node, args.ready_fd)
+    if args.command == "dra":
+        return dra_commands.start_dra(args.dir, args.node)
+    if args.command == "prepare":
+        return dra_commands.prepare_claim(args)
+    if args.command == "unprepare":
+        return dra_commands.unprepare_claim(args)
+    return dra_commands.stop_dra(args.dir)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="python -m pcc_plugin.sim",
-        description="The simulated kubelet, to try the daemon by hand. See the README.",
+        description="The simulated kubelet, to try the daemon by hand. See the README, and "
+        "docs/dra.md for the DRA mode.",
         allow_abbrev=False,
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -145,9 +269,19 @@ def main() -> None:
         "serving in --dir (default: the newest plugin socket there)",
     )
     one.add_argument("device_ids", nargs="+", metavar="DEVICE_ID")
+    add_dra_commands(commands)
     args = parser.parse_args()
     try:
-        sys.exit(serve_kubelet(args) if args.command == "kubelet" else allocate(args))
+        if args.command == "kubelet":
+            sys.exit(serve_kubelet(args))
+        if args.command == "allocate":
+            sys.exit(allocate(args))
+        sys.exit(run_dra_command(args))
+    except dra_commands.CommandError as error:
+        print(f"{parser.prog} {args.command}: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)  # Ctrl-C while waiting: the shell's own status for it, no traceback
     except ValueError as too_long:
         parser.error(str(too_long))
 

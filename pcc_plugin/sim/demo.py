@@ -26,6 +26,11 @@ from pcc_plugin.sim.state import NoPluginError
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 REGISTERED = "Registered device plugin with Kubelet"
 TIMEOUT = 10.0
+# The demo's last line: where to go next.
+DRA_ON_A_LAPTOP = (
+    "The same daemon as a DRA driver, on this machine in five steps: docs/dra.md, "
+    '"Try it on a laptop".'
+)
 
 
 class Story:
@@ -181,6 +186,8 @@ def main() -> None:
         status = 1
     finally:
         demo.close()
+    if status == 0:
+        print(f"\n{DRA_ON_A_LAPTOP}")
     sys.exit(status)
 
 

@@ -31,6 +31,16 @@ _DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
 _QUALIFIED_NAME_PART = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
+def is_dns_subdomain(value: str) -> bool:
+    """Kubernetes' IsDNS1123Subdomain: the names of most objects (Nodes, ResourceClaims)."""
+    return len(value) <= 253 and _DNS1123_SUBDOMAIN.fullmatch(value) is not None
+
+
+def is_dns_label(value: str) -> bool:
+    """Kubernetes' IsDNS1123Label: a namespace's name."""
+    return len(value) <= 63 and re.fullmatch(_DNS1123_LABEL, value) is not None
+
+
 def is_qualified_name(value: str) -> bool:
     """Kubernetes' IsQualifiedName: an optional DNS-1123 subdomain prefix and a short name."""
     parts = value.split("/")
@@ -38,7 +48,7 @@ def is_qualified_name(value: str) -> bool:
         return False
     if len(parts) == 2:
         prefix = parts[0]
-        if len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix):
+        if not is_dns_subdomain(prefix):
             return False
     name = parts[-1]
     return len(name) <= 63 and _QUALIFIED_NAME_PART.fullmatch(name) is not None

@@ -33,8 +33,10 @@ with the time since the start, and figures:
    plugin's pod deleted: the DaemonSet makes a new one, registered again;
 7. the migration to the DRA mode and back, as docs/dra.md says (cluster_dra.py), with the
    consumers running: they keep their containers and devices both ways;
-8. ``kubectl delete -k manifests/base``: the plugin's pod gone, 0 allocatable;
-9. the DRA mode on the same cluster (cluster_dra.py): ``manifests/overlays/dra`` applied, claims
+8. uninstall as docs/deploy.md says: ``kubectl delete -k manifests/base``, the plugin's pod
+   gone, 0 allocatable; the node's label removed;
+9. the DRA mode on the same cluster (cluster_dra.py): the node labelled and
+   ``manifests/overlays/dra`` applied, as docs/dra.md says, claims
    served, the extended resource served by the driver, the device withdrawn and back, kubelet
    and the driver restarted with claims prepared, the admission policy with real tokens.
 """
@@ -845,8 +847,10 @@ class Cluster:
             60,
         )
         self.report.figure("delete -k → Node allocatable 0", now() - deleted)
+        await self.kubectl("label", "node", NODE_NAME, f"{NODE_LABEL}-")
         self.report.check(
-            "kubectl delete -k manifests/base: the plugin's pod is gone, 0 allocatable"
+            "kubectl delete -k manifests/base: the plugin's pod is gone, 0 allocatable; "
+            f"kubectl label node {NODE_NAME} {NODE_LABEL}-"
         )
 
 

@@ -9,7 +9,8 @@ the driver's slices.
 
 Check 9, after the device plugin's uninstall (check 8):
 
-1. install as docs/dra.md says: ``kubectl apply -k manifests/overlays/dra``; the DeviceClass
+1. install as docs/dra.md says, on the node check 8 unlabelled: ``kubectl label node``, then
+   ``kubectl apply -k manifests/overlays/dra``; the DeviceClass
    accepted as written (its ``extendedResourceName`` kept), the driver's pod ready, the node's
    ResourceSlice with 16 devices, written by the driver; the doctor, run in the driver's pod
    with its args, passes the DRA driver check;
@@ -49,6 +50,7 @@ from .cluster import (
     CONSUMERS,
     DAEMONSET,
     DOCTOR,
+    NODE_LABEL,
     SYSTEM,
     Cluster,
     RunningConsumers,
@@ -297,6 +299,8 @@ class Dra:
         self.report.variant = "9 dra install"
         cluster = self.cluster
         overlay = cluster.manifests / "overlays" / "dra"
+        # docs/dra.md's install: the label first (check 8 removed it), then the overlay.
+        await cluster.kubectl("label", "node", NODE_NAME, f"{NODE_LABEL}=true")
         applied = now()
         await cluster.kubectl("apply", "-k", str(overlay))
         listed = await cluster.kubectl("get", "deviceclass", DRIVER)
@@ -323,7 +327,8 @@ class Dra:
         }
         expect(managers == {"pcc-device-plugin"}, f"the slices were written by {managers}")
         self.report.check(
-            f"kubectl apply -k manifests/overlays/dra: the DeviceClass {DRIVER} accepted with "
+            f"kubectl label node {NODE_NAME} {NODE_LABEL}=true, kubectl apply -k "
+            f"manifests/overlays/dra: the DeviceClass {DRIVER} accepted with "
             f"extendedResourceName {RESOURCE}; the driver {plugin['metadata']['name']} ready, "
             f"its log says {registered!r}; its ResourceSlice for {NODE_NAME} lists {SHARES} "
             "devices, written by the driver"
