@@ -803,14 +803,20 @@ async def test_allocate_by_hand_calls_the_resource_it_names(
         with trio.fail_after(30):
             await run_blocking(kubelet.wait_for_log, "kubelet serving Registration", 10.0)
             code, said = await allocate_by_hand(
-                plugin_dir, "--resource", "example.com/first", "first-0"
+                plugin_dir, "--resource", "example.com/first", "--timeout", "0.2", "first-0"
             )
             assert code == 1
             assert said == (
                 f"example.com/first has not registered with the simulated kubelet in {plugin_dir} "
-                "(registered: nothing)\n"
+                "(registered: nothing), after 0.2 s; is the daemon running, with "
+                f"--device-plugin-path={plugin_dir}, and the simulated kubelet there?\n"
             )
+            # Started before the daemon registers, as the README's block runs it: it waits.
             start_daemon(*fake_node.daemon_args(), f"--config={config}")
+            code, said = await allocate_by_hand(
+                plugin_dir, "--resource", "example.com/first", "first-0"
+            )
+            assert code == 0, said
             for name in ("first", "second"):
                 await run_blocking(
                     kubelet.wait_for_log, f"registered device plugin example.com/{name}", 10.0
@@ -827,5 +833,13 @@ async def test_allocate_by_hand_calls_the_resource_it_names(
                 await allocate_by_hand(plugin_dir, f"{name}-0") for name in ("first", "second")
             ]
             assert sorted(code for code, _ in outcomes) == [0, 1]
+            (refused,) = [said for code, said in outcomes if code == 1]
+            assert refused.endswith(
+                f"is the newest plugin socket in {plugin_dir}; with several resources "
+                "(--config), name the one those devices are of with --resource\n"
+            )
+        await run_blocking(kubelet.terminate, signal.SIGTERM, 10.0)
+        # Stopped, it leaves no record of endpoints that no kubelet serves any more.
+        assert not (plugin_dir / "sim-kubelet-endpoints.json").exists()
     finally:
         kubelet.close()

@@ -5,7 +5,7 @@ python -m pcc_plugin.sim kubelet --dir /tmp/pcc-try/device-plugins
 python -m pcc_plugin.sim allocate --dir /tmp/pcc-try/device-plugins [--resource NAME] pcc-0 ...
     what kubelet's Allocate of those devices gets from the plugin, as a container would be
     given it: from the endpoint that resource registered last with that kubelet, or without
-    --resource from the newest plugin socket in the directory
+    --resource from the newest plugin socket in the directory; waits for it (--timeout)
 
 The DRA mode (pcc_plugin/sim/dra_commands.py and dra_cluster.py; docs/dra.md, "Try it on a
 laptop"):
@@ -33,6 +33,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -46,9 +47,12 @@ from pcc_plugin.sim.kubelet import SimKubelet
 from pcc_plugin.sim.rules import ALLOCATE, KUBELET_SOCKET
 from pcc_plugin.sim.state import Registration
 
-# Written by `kubelet` in its directory: the endpoint each resource registered last, which
-# `allocate --resource` dials, as kubelet dials the endpoint a resource registered.
+# Written by `kubelet` in its directory while it serves (removed when it stops): the endpoint
+# each resource registered last, which `allocate --resource` dials, as kubelet dials the
+# endpoint a resource registered.
 REGISTERED_ENDPOINTS = "sim-kubelet-endpoints.json"
+# How often `allocate` looks again while it waits for the plugin to register.
+LOOK_AGAIN = 0.05
 
 
 class EndpointRecord:
@@ -80,8 +84,12 @@ def serve_kubelet(args: argparse.Namespace) -> int:
     record.path.unlink(missing_ok=True)
     kubelet = SimKubelet(args.dir, legacy=args.legacy, key_by=args.key_by)
     kubelet.on_registered = record.add
-    with kubelet:
-        stop.wait()
+    try:
+        with kubelet:
+            stop.wait()
+    finally:
+        # What it recorded is no kubelet's any more: `allocate` waits for the next one's.
+        record.path.unlink(missing_ok=True)
     return 0
 
 
@@ -110,9 +118,25 @@ def plugin_socket(directory: Path, resource: str | None) -> Path:
     return directory / endpoints[resource]
 
 
+def registered_socket(directory: Path, resource: str | None, timeout: float) -> Path:
+    """`plugin_socket`, once there is one: the daemon may still be starting (about a second).
+    LookupError, saying what is missing and where to look, after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return plugin_socket(directory, resource)
+        except LookupError as missing:
+            if time.monotonic() >= deadline:
+                raise LookupError(
+                    f"{missing}, after {timeout:g} s; is the daemon running, with "
+                    f"--device-plugin-path={directory}, and the simulated kubelet there?"
+                ) from None
+        time.sleep(LOOK_AGAIN)
+
+
 def allocate(args: argparse.Namespace) -> int:
     try:
-        path = plugin_socket(args.dir, args.resource)
+        path = registered_socket(args.dir, args.resource, args.timeout)
     except LookupError as missing:
         print(missing, file=sys.stderr)
         return 1
@@ -129,6 +153,11 @@ def allocate(args: argparse.Namespace) -> int:
             response = call(request, timeout=10)
         except grpc.RpcError as failure:
             print(f"{path.name} answered {failure.code().name}: {failure.details()}")
+            if args.resource is None and failure.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                print(
+                    f"{path.name} is the newest plugin socket in {args.dir}; with several "
+                    "resources (--config), name the one those devices are of with --resource"
+                )
             return 1
     print(f"{path.name} answered; the container gets:")
     for line in what_the_container_gets(response):
@@ -267,6 +296,13 @@ def main() -> None:
         metavar="NAME",
         help="the resource to call: the endpoint it registered last with the simulated kubelet "
         "serving in --dir (default: the newest plugin socket there)",
+    )
+    one.add_argument(
+        "--timeout",
+        type=checked(positive_seconds),
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to wait for the plugin to register (default 30)",
     )
     one.add_argument("device_ids", nargs="+", metavar="DEVICE_ID")
     add_dra_commands(commands)
