@@ -995,7 +995,7 @@ def test_containerignore_admits_only_what_the_containerfile_copies() -> None:
 
 NEEDS_MARKER = re.compile(r"^# \(needs [^)]+\)")
 RUN_BY_THIS_FILE = re.compile(r"^kubectl kustomize \S+( \| .+)?$")
-NOX = re.compile(r"^nox -s (?P<sessions>[a-z ]+)$")
+NOX = re.compile(r"^(?:nox|python3 tools/dev\.py) -s (?P<sessions>[a-z_ ]+)$")
 # The overlay of the user's own that the install steps of README.md and this page write, from
 # the clone's root, to name the image with kubectl alone. A block that writes it is run whole
 # (test_the_users_overlay_builds_with_kubectl_alone), not command by command.
@@ -1072,11 +1072,14 @@ def test_docs_nox_sessions_are_run_by_ci() -> None:
         for session in sessions.split()
     }
     assert {"demo", "slow", "manifests", "image_bases", "image", "e2e", "cluster"} <= in_ci
+    named = set()
     for block in shell_blocks():
         for command in commands(block):
             match = NOX.match(command)
             if match:
                 assert set(match["sessions"].split()) <= in_ci, command
+                named |= set(match["sessions"].split())
+    assert {"manifests", "image"} <= named
 
 
 def test_docs_paths_exist_and_kustomize_paths_render() -> None:
