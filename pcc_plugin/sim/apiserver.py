@@ -231,8 +231,7 @@ class FakeApiServer:
             return sum(
                 1
                 for request in self.requests
-                if request.split()[0] in ("POST", "PUT", "DELETE")
-                and "/resourceslices" in request
+                if request.split()[0] in ("POST", "PUT", "DELETE") and "/resourceslices" in request
             )
 
     def recreate_node(self, name: str) -> Obj:
@@ -394,7 +393,9 @@ class FakeApiServer:
             raise Rejected(409, "Conflict", "the object has been modified")
         if body["spec"]["nodeName"] != old["spec"]["nodeName"]:
             raise Rejected(422, "Invalid", "spec.nodeName: field is immutable")
-        body["metadata"] = {**old["metadata"], "resourceVersion": self._bump()}
+        # The writer's metadata (annotations, owners), the server's identity of the object.
+        identity = {"name": name, "uid": old["metadata"]["uid"], "resourceVersion": self._bump()}
+        body["metadata"] = {**body["metadata"], **identity}
         self._slices[name] = body
         self._event("MODIFIED", body)
         return body
