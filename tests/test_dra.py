@@ -519,6 +519,9 @@ def test_the_config_files_mode_and_the_flag_must_agree(tmp_path: Path) -> None:
     assert served.mode == "dra"
 
 
+ME = slices.Instance("2026-01-01T00:00:00.000000Z", "me")
+
+
 class FlakyApi:
     """kube.Api's slice calls in memory; refuses connections while `down`."""
 
@@ -577,7 +580,7 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
     change = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
-            slices.publish, api, DRIVER, NODE,
+            slices.publish, api, slices.Pool(DRIVER, NODE, ""), ME, lambda other: False,
             lambda pool: slices.desired(pool, spec, devices), lambda: change, stats,
         )  # fmt: skip
         await trio.sleep(600)
