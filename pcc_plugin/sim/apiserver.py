@@ -111,6 +111,8 @@ class FakeApiServer:
         # Requests (`METHOD path`) the predicate matches wait until release().
         self._stalled: Callable[[str], bool] | None = None
         self._released = threading.Event()
+        # The requests held so far (`METHOD path`), oldest first.
+        self.held: list[str] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()
@@ -268,6 +270,9 @@ class FakeApiServer:
     def _hold(self, request: str) -> None:
         with self._changed:
             stalled = self._stalled is not None and self._stalled(request)
+            if stalled:
+                self.held.append(request)
+                self._changed.notify_all()
         if stalled:
             self._released.wait()
 
