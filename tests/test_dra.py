@@ -610,7 +610,9 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
     not_a_directory.write_text("")
 
     async def get_claim(namespace: str, name: str) -> dict[str, Any]:
-        raise AssertionError("not reached: the lock comes first")
+        result = {"request": "pcc", "driver": DRIVER, "pool": NODE, "device": "pcc-3"}
+        allocation = {"devices": {"results": [result]}}
+        return {"metadata": {"uid": "uid-1"}, "status": {"allocation": allocation}}
 
     checkpoint = Checkpoint(not_a_directory, DRIVER)
     preparer = claims.Preparer(

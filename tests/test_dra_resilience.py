@@ -10,8 +10,12 @@ only minutes show. `nox -s cluster` shows the rollout and an outage on a real cl
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -20,13 +24,20 @@ from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, register
 from lightkube.core.exceptions import ApiError
 from metrics_support import get, metrics_port
 
-from pcc_plugin.dra import slices
+from pcc_plugin import grpc_server
+from pcc_plugin.dra import claims, slices
+from pcc_plugin.dra.checkpoint import Checkpoint
+from pcc_plugin.inventory import Inventory
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import StartDaemon, run_blocking
 from pcc_plugin.state import ResourceState
 
 OLD_UID = "0a0a0a0a-1111-2222-3333-444444444444"
 NEW_UID = "0b0b0b0b-1111-2222-3333-444444444444"
+
+
+def cdi_spec(dra: DraNode, uid: str) -> Path:
+    return dra.cdi / f"{DRIVER}-claim_{uid}.json"
 
 
 def mount_paths(dra: DraNode) -> set[str]:
@@ -327,3 +338,120 @@ async def test_two_instances_that_cannot_tell_which_is_newer_write_within_the_bo
     assert most_in_a_minute(api) <= 2 * (slices.WRITE_BURST + 60 / slices.WRITE_EVERY)
     # Each took its turn; without the budget there would be thousands.
     assert writes_by(api, OLDER) >= minutes * 60 / slices.WRITE_EVERY / 2
+
+
+async def test_unprepare_answers_at_once_while_a_claims_read_stalls(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """Claims are read from the API server before the lock that serializes the calls is taken:
+    a NodeUnprepareResources, which needs no API server, does not wait for another call's
+    read."""
+    dra = dra_node
+    with trio.fail_after(40):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await published(dra, SHARES)
+        dra.claim("done", "uid-done")
+        await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "done", "uid-done")])
+        dra.claim("slow", "uid-slow", device="pcc-4")
+        dra.api.stall(lambda request: request.endswith("/resourceclaims/slow"))
+        async with trio.open_nursery() as nursery:
+            answers: list[Any] = []
+
+            async def prepare_slow() -> None:
+                claim = [("default", "slow", "uid-slow")]
+                answers.append(await run_blocking(dra.kubelet.prepare, DRIVER, claim, 30))
+
+            nursery.start_soon(prepare_slow)
+            await run_blocking(dra.api.wait_for, lambda: bool(dra.api.held), WAIT)
+            done = [("default", "done", "uid-done")]
+            gone = await run_blocking(dra.kubelet.unprepare, DRIVER, done, 1.0)
+            assert gone.claims["uid-done"].error == ""
+            assert not cdi_spec(dra, "uid-done").exists()
+            dra.api.release()
+        assert answers[0].claims["uid-slow"].error == ""
+        assert set(dra.checkpoint()) == {"uid-slow"}
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_a_call_that_cannot_have_the_lock_in_time_is_told_so(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, host: Path
+) -> None:
+    """Another instance holds the lock (stuck on a disk, say): the call answers each claim
+    with why, within the answer deadline (so within kubelet's), and kubelet retries."""
+    state = tmp_path / "state"
+    state.mkdir()
+    other = os.open(state / "serialize.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    # A call that would wait for ever ends the test all the same (by failing it).
+    threading.Timer(10, os.close, [other]).start()
+    spec = pcc_resource(SPEC.name, 4, "/dev/sev-guest", "/var/run/pcc")
+    resource = ResourceState(spec.name, needs_stream=False)
+
+    async def get_claim(namespace: str, name: str) -> dict[str, Any]:
+        raise AssertionError("not reached: a claim prepared before is not read again")
+
+    preparer = claims.Preparer(
+        DRIVER, NODE, Inventory(spec, str(host), resource), resource, Checkpoint(state, DRIVER),
+        tmp_path / "cdi", "owner", get_claim,
+    )  # fmt: skip
+    claim = claims.ClaimRef("default", "app", "uid-1")
+    with trio.fail_after(grpc_server.UNARY_TIMEOUT):
+        started = trio.current_time()
+        answers = await preparer.unprepare([claim])
+    assert trio.current_time() - started <= claims.ANSWER_WITHIN < grpc_server.UNARY_TIMEOUT
+    answer = answers["uid-1"]
+    assert isinstance(answer, str)
+    assert answer.startswith(f"another call held {state / 'serialize.lock'} for ")
+    assert resource.unprepares["failed"] == 1
+
+
+async def test_specs_are_restored_under_the_lock(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """At start the driver writes back the CDI spec of each prepared claim that lost it (a
+    reboot). Under the lock: the other instance of a rollout may be unpreparing that claim,
+    and a spec written back after that would stay until the next reboot."""
+    dra = dra_node
+    dra.state.mkdir(parents=True)
+    prepared = {"namespace": "default", "name": "app",
+                "devices": [{"requests": ["pcc"], "pool": NODE, "device": "pcc-3"}]}  # fmt: skip
+    (dra.state / "checkpoint.json").write_text(checkpoint_text({"uid-1": prepared}))
+    other = os.open(dra.state / "serialize.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with trio.fail_after(30):
+            daemon = start_daemon(*dra.daemon_args())
+            await registered(dra)
+            assert not cdi_spec(dra, "uid-1").exists()
+            # The other instance unprepares the claim, and lets the lock go.
+            (dra.state / "checkpoint.json").write_text(checkpoint_text({}))
+            os.close(other)
+            other = -1
+            await run_blocking(daemon.wait_for_log, "Checked the CDI specs of 0 prepared", WAIT)
+            assert not cdi_spec(dra, "uid-1").exists()
+    finally:
+        if other >= 0:
+            os.close(other)
+
+
+async def test_a_claim_prepared_under_another_instance_name_is_unprepared_whole(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """--instance-name changed between prepare and unprepare (a renamed DaemonSet): the claim
+    is in this driver's checkpoint, so its CDI spec is this driver's to remove."""
+    dra = dra_node
+    with trio.fail_after(40):
+        first = start_daemon(*dra.daemon_args(), "--instance-name=before")
+        await registered(dra)
+        dra.claim("app", "uid-1")
+        await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert cdi_spec(dra, "uid-1").exists()
+        assert first.terminate() == 0
+        second = start_daemon(*dra.daemon_args(), "--instance-name=after")
+        await registered(dra, count=2)
+        gone = await run_blocking(dra.kubelet.unprepare, DRIVER, [("default", "app", "uid-1")])
+        assert gone.claims["uid-1"].error == ""
+        assert dra.checkpoint() == {}
+        assert not cdi_spec(dra, "uid-1").exists()
+        assert "Traceback" not in second.log_text()

@@ -91,7 +91,8 @@ class DraMode:
         config = self.config
         state_dir(config).mkdir(parents=True, exist_ok=True)
         remove_stale_sockets(earlier_sockets(config))
-        self.preparer.restore_specs()
+        # Beside the sockets, not before them: it waits for the lock another instance may hold.
+        generation.nursery.start_soon(self.preparer.restore_specs)
         self.state.waiting("waiting for kubelet to register the driver")
         registration_path, dra_path = socket_paths(config)
         report = self.state.handler_failed
