@@ -18,14 +18,21 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpclib.const
+import grpclib.exceptions
+import hypothesis
+import hypothesis.strategies
+import pytest
 import trio
 import trio.testing
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
 from lightkube.core.exceptions import ApiError
 from metrics_support import get, metrics_port
 
-from pcc_plugin import grpc_server
+from pcc_plugin import grpc_server, wire
+from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1
 from pcc_plugin.dra import claims, slices
+from pcc_plugin.dra import service as dra_service
 from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.inventory import Inventory
 from pcc_plugin.resource import Device, pcc_resource
@@ -455,3 +462,71 @@ async def test_a_claim_prepared_under_another_instance_name_is_unprepared_whole(
         assert dra.checkpoint() == {}
         assert not cdi_spec(dra, "uid-1").exists()
         assert "Traceback" not in second.log_text()
+
+
+def claim_field(namespace: bytes, uid: bytes, name: bytes) -> bytes:
+    """A Claim as field 1 of NodePrepareResourcesRequest, in protobuf's wire format."""
+    body = b"".join(
+        bytes([number << 3 | 2, len(value)]) + value
+        for number, value in ((1, namespace), (2, uid), (3, name))
+    )
+    return bytes([0x0A, len(body)]) + body
+
+
+# A claim that says it is 256 MiB long: reading it would fail, so a reader that refuses
+# the request for something before it never read it.
+UNREADABLE = b"\x0a\x80\x80\x80\x80\x01"
+REQUEST = "NodePrepareResourcesRequest"
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (
+            b"".join(claim_field(b"ns", b"u%d" % i, b"c") for i in range(129)) + UNREADABLE,
+            f"{REQUEST} has more than 128 claims",
+        ),
+        (
+            claim_field(b"ns", b"u", b"c") + b"\x10\x01" * 129 + UNREADABLE,
+            f"{REQUEST} has more than 128 fields besides its claims",
+        ),
+        (
+            claim_field(b"ns", b"u", b"c" * 100) * 2
+            + b"\x0a\x88\x08"
+            + b"\x1a\x85\x08"
+            + b"c" * 1029
+            + UNREADABLE,
+            f"{REQUEST} names a claim of 1032 bytes, more than the 1024 of any claim kubelet names",
+        ),
+    ],
+    ids=["claims", "other fields", "a claim's size"],
+)
+def test_a_request_past_a_limit_is_refused_where_it_passes_it(data: bytes, says: str) -> None:
+    """A NodePrepareResourcesRequest is read field by field, each limit checked as it is
+    reached, as the device plugin's requests are (pcc_plugin/wire.py): what lies beyond is
+    never decoded, so a request of 4 MiB costs what its first 128 claims cost."""
+    with pytest.raises(grpclib.exceptions.GRPCError) as refused:
+        dra_service.read_claims(data, REQUEST)
+    assert refused.value.status is grpclib.const.Status.INVALID_ARGUMENT
+    assert refused.value.message == says
+
+
+def test_claims_within_the_limits_are_read_in_order() -> None:
+    data = b"".join(claim_field(b"ns", b"u%d" % i, b"c%d" % i) for i in range(128))
+    read = dra_service.read_claims(data + b"\x10\x01", REQUEST)
+    assert read == [claims.ClaimRef("ns", f"c{i}", f"u{i}") for i in range(128)]
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    hypothesis.strategies.lists(
+        hypothesis.strategies.tuples(*[hypothesis.strategies.text(max_size=60)] * 3),
+        max_size=128,
+    )
+)
+def test_claims_are_read_as_protobuf_writes_them(sent: list[tuple[str, str, str]]) -> None:
+    request = v1.NodePrepareResourcesRequest(
+        claims=[v1.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in sent]
+    )
+    read = wire.read_claims(bytes(request), 128, dra_service.MAX_CLAIM_BYTES)
+    assert [(c["namespace"], c["uid"], c["name"]) for c in read] == sent
