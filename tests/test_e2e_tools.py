@@ -18,7 +18,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from e2e import __main__ as e2e_main
-from e2e import builds, harness, kubelet_log, pods
+from e2e import builds, cluster_dra, harness, kubelet_log, pods
 from e2e.node import Daemon, Node
 
 
@@ -215,3 +215,14 @@ esac
             await node.stop_all_containers()
     assert asked.exists()
     assert tasks.read_text() == ""
+
+
+def test_the_cluster_counts_slice_writes_against_the_drivers_own_bound() -> None:
+    """Check 9.8 holds the rollout's writes to the bound the driver keeps (docs/dra.md)."""
+    from pcc_plugin.dra import slices
+
+    assert (cluster_dra.WRITE_BURST, cluster_dra.WRITE_EVERY) == (
+        slices.WRITE_BURST,
+        slices.WRITE_EVERY,
+    )
+    assert cluster_dra.SETTLE > slices.WRITE_EVERY
