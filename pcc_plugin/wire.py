@@ -71,7 +71,7 @@ PREFERRED_ALLOCATION_REQUEST: Schema = {
 }
 
 # DRA (protos/dra_v1.proto, protos/pluginregistration.proto): the Claim of
-# NodePrepareResourcesRequest and NodeUnprepareResourcesRequest (read by read_claims);
+# NodePrepareResourcesRequest and NodeUnprepareResourcesRequest (read by read_claims_request);
 # RegistrationStatus.
 CLAIM: Schema = {
     1: ("namespace", Kind.STRING),
@@ -234,7 +234,7 @@ def read_allocate_request(
     return containers
 
 
-def read_claims(data: bytes, limit: int, longest: int) -> list[dict[str, str]]:
+def read_claims_request(data: bytes, limit: int, longest: int) -> list[dict[str, str]]:
     """The claims of a NodePrepareResourcesRequest or NodeUnprepareResourcesRequest, each
     with its namespace, uid and name ("" when absent), in order.
 

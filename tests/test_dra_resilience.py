@@ -528,5 +528,5 @@ def test_claims_are_read_as_protobuf_writes_them(sent: list[tuple[str, str, str]
     request = v1.NodePrepareResourcesRequest(
         claims=[v1.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in sent]
     )
-    read = wire.read_claims(bytes(request), 128, dra_service.MAX_CLAIM_BYTES)
+    read = wire.read_claims_request(bytes(request), 128, dra_service.MAX_CLAIM_BYTES)
     assert [(c["namespace"], c["uid"], c["name"]) for c in read] == sent

@@ -136,7 +136,7 @@ def read_claims(data: bytes, name: str) -> list[ClaimRef]:
     """The claims of request `name`, read from the wire as far as the limits allow: a request
     past one costs what its bytes up to there cost (INVALID_ARGUMENT), not all of it."""
     try:
-        read = wire.read_claims(data, MAX_CLAIMS, MAX_CLAIM_BYTES)
+        read = wire.read_claims_request(data, MAX_CLAIMS, MAX_CLAIM_BYTES)
     except wire.TooManyOthers:
         why = f"{name} has more than {MAX_CLAIMS} fields besides its claims"
         raise GRPCError(Status.INVALID_ARGUMENT, why) from None
