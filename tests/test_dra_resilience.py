@@ -390,8 +390,18 @@ async def test_a_call_that_cannot_have_the_lock_in_time_is_told_so(
     state.mkdir()
     other = os.open(state / "serialize.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(other, fcntl.LOCK_EX)
+    closing = threading.Lock()
+    held = [True]
+
+    def release() -> None:
+        with closing:
+            if held[0]:
+                held[0] = False
+                os.close(other)
+
     # A call that would wait for ever ends the test all the same (by failing it).
-    threading.Timer(10, os.close, [other]).start()
+    timer = threading.Timer(10, release)
+    timer.start()
     spec = pcc_resource(SPEC.name, 4, "/dev/sev-guest", "/var/run/pcc")
     resource = ResourceState(spec.name, needs_stream=False)
 
@@ -403,9 +413,13 @@ async def test_a_call_that_cannot_have_the_lock_in_time_is_told_so(
         tmp_path / "cdi", "owner", get_claim,
     )  # fmt: skip
     claim = claims.ClaimRef("default", "app", "uid-1")
-    with trio.fail_after(grpc_server.UNARY_TIMEOUT):
-        started = trio.current_time()
-        answers = await preparer.unprepare([claim])
+    try:
+        with trio.fail_after(grpc_server.UNARY_TIMEOUT):
+            started = trio.current_time()
+            answers = await preparer.unprepare([claim])
+    finally:
+        timer.cancel()
+        release()
     assert trio.current_time() - started <= claims.ANSWER_WITHIN < grpc_server.UNARY_TIMEOUT
     answer = answers["uid-1"]
     assert isinstance(answer, str)
