@@ -99,9 +99,12 @@ def write_spec(
     return None
 
 
-def _write(path: Path, document: dict[str, Any], owner: str) -> str | None:
-    """Put `document` at `path` whole, unless another owner's file is there (then say whose);
-    OSError when the directory cannot take it."""
+def _write(
+    path: Path, document: dict[str, Any], owner: str, any_instance: bool = False
+) -> str | None:
+    """Put `document` at `path` whole, unless another owner's file is there (then say whose;
+    with `any_instance`, only a file not of this plugin stays); OSError when the directory
+    cannot take it."""
     content = json.dumps(document, indent=2, sort_keys=True) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(
@@ -110,7 +113,7 @@ def _write(path: Path, document: dict[str, Any], owner: str) -> str | None:
         temporary.write(content)
     try:
         os.chmod(temporary.name, 0o644)
-        problem = _put(Path(temporary.name), path, owner)
+        problem = _put(Path(temporary.name), path, owner, any_instance)
     finally:
         Path(temporary.name).unlink(missing_ok=True)
     if problem is None:
@@ -119,7 +122,9 @@ def _write(path: Path, document: dict[str, Any], owner: str) -> str | None:
 
 
 # DRA mode: one spec per prepared claim, kind `<driver>/claim`, one device named by the claim's
-# UID; every share of a claim brings the same device node and mounts.
+# UID; every share of a claim brings the same device node and mounts. The file's name is the
+# driver's and the claim's, so a spec there of another instance name is this driver's too (its
+# --instance-name changed since): rewritten and removed as its own.
 CLAIM_CLASS = "claim"
 
 
@@ -143,19 +148,23 @@ def write_claim_spec(
         "annotations": {OWNER: owner},
         "devices": [{"name": claim_uid, "containerEdits": _edits(spec, device)}],
     }
-    problem = _write(path, document, owner)
+    problem = _write(path, document, owner, any_instance=True)
     if problem:
         raise CdiConflict(problem)
 
 
-def remove_claim_spec(directory: Path, driver: str, claim_uid: str, owner: str) -> None:
-    """Remove the spec of an unprepared claim if this instance wrote it; OSError if it cannot."""
+def remove_claim_spec(
+    directory: Path, driver: str, claim_uid: str, owner: str, any_instance: bool = False
+) -> None:
+    """Remove the spec of an unprepared claim if this instance wrote it (with `any_instance`,
+    if any instance of this plugin did: the driver prepared the claim); OSError if it
+    cannot."""
     path = claim_spec_path(directory, driver, claim_uid)
     try:
         holder = _owner_of(path)
     except FileNotFoundError:
         return
-    if holder == owner:
+    if holder == owner or (any_instance and holder is not None):
         path.unlink(missing_ok=True)
 
 
@@ -169,8 +178,9 @@ _FIX = (
 )
 
 
-def _put(temporary: Path, path: Path, owner: str) -> str | None:
-    """Move `temporary` to `path` unless another owner's file is there; else say whose it is."""
+def _put(temporary: Path, path: Path, owner: str, any_instance: bool) -> str | None:
+    """Move `temporary` to `path` unless another owner's file is there (with `any_instance`:
+    a file not of this plugin); else say whose it is."""
     while True:
         try:
             holder = _owner_of(path)
@@ -181,7 +191,7 @@ def _put(temporary: Path, path: Path, owner: str) -> str | None:
                 return None
             except FileExistsError:
                 continue
-        if holder in (owner, _BEFORE_INSTANCE_NAMES):
+        if holder in (owner, _BEFORE_INSTANCE_NAMES) or (any_instance and holder is not None):
             os.replace(temporary, path)
             return None
         if holder is None:

@@ -59,11 +59,16 @@ class ResourceState:
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
 
     def not_ready_reason(self) -> str | None:
+        """Each thing the resource waits for, `; ` between them; None when it is ready."""
+        reasons = []
         if not self.registered:
-            return self.waiting_for
-        if self.needs_stream and not self.kubelet_stream_open:
-            return "registered, but kubelet's ListAndWatch stream is not open"
-        return self.slices_problem
+            reasons.append(self.waiting_for)
+        elif self.needs_stream and not self.kubelet_stream_open:
+            reasons.append("registered, but kubelet's ListAndWatch stream is not open")
+        # The slices do not wait for kubelet: an API server out of reach is said meanwhile.
+        if self.slices_problem:
+            reasons.append(self.slices_problem)
+        return "; ".join(reasons) or None
 
     def next_change(self) -> trio.Event:
         """Set at the next change of what readiness depends on."""

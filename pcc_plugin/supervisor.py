@@ -18,6 +18,8 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
                         ├── wait_for_directory until kubelet has created it
                         └── generation nursery: cancelling it is how the resource restarts
                             ├── forget_faults_when_stable
+                            ├── Preparer.restore_specs   [dra] the checkpointed claims' lost
+                            │                   CDI specs, written back under the claims' lock
                             ├── grpc_server.serve   [dp] the socket, a fresh name each time;
                             │   │                   [dra] the DRA socket, then the
                             │   │                   registration socket kubelet dials

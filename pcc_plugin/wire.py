@@ -45,6 +45,10 @@ class TooManyContainers(TooMany):
     """More container requests than the caller allows."""
 
 
+class TooManyOthers(TooMany):
+    """More fields besides the repeated one read than the caller allows."""
+
+
 class Kind(enum.Enum):
     STRING = "string"
     VARINT = "varint"
@@ -66,14 +70,14 @@ PREFERRED_ALLOCATION_REQUEST: Schema = {
     1: ("container_requests", CONTAINER_PREFERRED_ALLOCATION_REQUEST)
 }
 
-# DRA (protos/dra_v1.proto, protos/pluginregistration.proto): NodePrepareResourcesRequest and
-# NodeUnprepareResourcesRequest; RegistrationStatus.
+# DRA (protos/dra_v1.proto, protos/pluginregistration.proto): the Claim of
+# NodePrepareResourcesRequest and NodeUnprepareResourcesRequest (read by read_claims_request);
+# RegistrationStatus.
 CLAIM: Schema = {
     1: ("namespace", Kind.STRING),
     2: ("uid", Kind.STRING),
     3: ("name", Kind.STRING),
 }
-CLAIMS_REQUEST: Schema = {1: ("claims", CLAIM)}
 REGISTRATION_STATUS: Schema = {1: ("plugin_registered", Kind.VARINT), 2: ("error", Kind.STRING)}
 
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
@@ -163,14 +167,20 @@ def check_request(data: bytes, schema: Schema, name: str) -> None:
         ) from None
 
 
-def _values_of_field_1(data: bytes, start: int, end: int, name: str) -> Iterator[tuple[int, int]]:
+def _values_of_field_1(
+    data: bytes, start: int, end: int, name: str, max_others: int | None = None
+) -> Iterator[tuple[int, int]]:
     """Where each value of field 1 (`name`, repeated, length-delimited) lies in the message
-    `data[start:end]`, in order; other fields are skipped. Raises WireError where a byte is
-    not as the field or the wire format demands."""
+    `data[start:end]`, in order; other fields are skipped, TooManyOthers past `max_others` of
+    them. Raises WireError where a byte is not as the field or the wire format demands."""
     pos = start
+    others = 0
     while pos < end:
         number, wire_type, pos = _field_key(data, pos, end)
         if number != 1:
+            others += 1
+            if max_others is not None and others > max_others:
+                raise TooManyOthers(max_others)
             pos = _skip(data, pos, end, wire_type, number)
             continue
         if wire_type != _LENGTH:
@@ -222,3 +232,38 @@ def read_allocate_request(
         total += len(ids)
         containers.append(ids)
     return containers
+
+
+def read_claims_request(data: bytes, limit: int, longest: int) -> list[dict[str, str]]:
+    """The claims of a NodePrepareResourcesRequest or NodeUnprepareResourcesRequest, each
+    with its namespace, uid and name ("" when absent), in order.
+
+    Raises WireError at the first malformed byte, TooMany as soon as there are more than
+    `limit` claims, TooManyOthers past `limit` other fields (kubelet sends none), TooLong for
+    a claim of more than `longest` bytes; nothing after that is read.
+    """
+    claims: list[dict[str, str]] = []
+    for begin, stop in _values_of_field_1(data, 0, len(data), "claims", max_others=limit):
+        if len(claims) == limit:
+            raise TooMany(limit)
+        if stop - begin > longest:
+            raise TooLong(stop - begin)
+        check(data, CLAIM, begin, stop)
+        claims.append(_strings(data, begin, stop, CLAIM))
+    return claims
+
+
+def _strings(data: bytes, start: int, end: int, schema: Schema) -> dict[str, str]:
+    """The string fields of a message `check` passed: the last value of each, as proto3."""
+    found = {name: "" for name, kind in schema.values() if kind is Kind.STRING}
+    pos = start
+    while pos < end:
+        number, wire_type, pos = _field_key(data, pos, end)
+        known = schema.get(number)
+        if known is None or known[1] is not Kind.STRING:
+            pos = _skip(data, pos, end, wire_type, number)
+            continue
+        size, pos = _varint(data, pos, end)
+        found[known[0]] = _text(data, pos, pos + size, known[0])
+        pos += size
+    return found

@@ -519,6 +519,9 @@ def test_the_config_files_mode_and_the_flag_must_agree(tmp_path: Path) -> None:
     assert served.mode == "dra"
 
 
+ME = slices.Instance("2026-01-01T00:00:00.000000Z", "me")
+
+
 class FlakyApi:
     """kube.Api's slice calls in memory; refuses connections while `down`."""
 
@@ -577,7 +580,7 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
     change = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
-            slices.publish, api, DRIVER, NODE,
+            slices.publish, api, slices.Pool(DRIVER, NODE, ""), ME, lambda other: False,
             lambda pool: slices.desired(pool, spec, devices), lambda: change, stats,
         )  # fmt: skip
         await trio.sleep(600)
@@ -607,7 +610,9 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
     not_a_directory.write_text("")
 
     async def get_claim(namespace: str, name: str) -> dict[str, Any]:
-        raise AssertionError("not reached: the lock comes first")
+        result = {"request": "pcc", "driver": DRIVER, "pool": NODE, "device": "pcc-3"}
+        allocation = {"devices": {"results": [result]}}
+        return {"metadata": {"uid": "uid-1"}, "status": {"allocation": allocation}}
 
     checkpoint = Checkpoint(not_a_directory, DRIVER)
     preparer = claims.Preparer(

@@ -25,7 +25,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from e2e import __main__ as e2e_main
-from e2e import builds, harness, kubelet_log, legs, pods
+from e2e import builds, cluster_dra, harness, kubelet_log, legs, pods
 from e2e.node import Daemon, Node
 
 
@@ -554,3 +554,14 @@ def test_a_cni_plugin_that_does_not_speak_the_configs_version_is_named(tmp_path:
         f"newer in {tmp_path}"
     )
     assert e2e_main.cni_problem(tmp_path / "loopback").startswith("no CNI plugin loopback in")
+
+
+def test_the_cluster_counts_slice_writes_against_the_drivers_own_bound() -> None:
+    """Check 9.8 holds the rollout's writes to the bound the driver keeps (docs/dra.md)."""
+    from pcc_plugin.dra import slices
+
+    assert (cluster_dra.WRITE_BURST, cluster_dra.WRITE_EVERY) == (
+        slices.WRITE_BURST,
+        slices.WRITE_EVERY,
+    )
+    assert cluster_dra.SETTLE > slices.WRITE_EVERY

@@ -795,7 +795,7 @@ def test_dra_api_access_is_what_the_driver_needs(directory: str) -> None:
     assert sorted(rule["operations"]) == ["CREATE", "DELETE", "UPDATE"]
     assert rule["apiVersions"] == ["*"]
     (condition,) = policy["spec"]["matchConditions"]
-    assert f'"{SERVICE_ACCOUNT_USER}"' in condition["expression"]
+    assert matches_user(condition["expression"], SERVICE_ACCOUNT_USER)
     assert "authentication.kubernetes.io/node-name" in str(policy["spec"]["variables"])
     assert policy["spec"]["failurePolicy"] == "Fail"
     # A refusal is 403 Forbidden, as docs/dra.md's troubleshooting says (the API server's
@@ -806,6 +806,43 @@ def test_dra_api_access_is_what_the_driver_needs(directory: str) -> None:
         "policyName": policy["metadata"]["name"],
         "validationActions": ["Deny"],
     }
+
+
+def matches_user(expression: str, username: str) -> bool:
+    """What the policy's matchCondition says of a request by `username`, for the two forms a
+    condition on the user takes here (a test of its own, not a CEL interpreter: any other
+    form fails it). CEL's `matches` is RE2's search, which Python's agrees with on these."""
+    subject = "request.userInfo.username"
+    if found := re.fullmatch(rf'{re.escape(subject)} == "([^"]*)"', expression.strip()):
+        return username == found[1]
+    if found := re.fullmatch(rf"{re.escape(subject)}\.matches\('([^']*)'\)", expression.strip()):
+        return re.search(found[1], username) is not None
+    raise AssertionError(f"a matchCondition this test cannot read: {expression}")
+
+
+def test_the_admission_policy_follows_the_service_account_to_another_namespace(
+    tmp_path: Path,
+) -> None:
+    """A user's overlay that moves the driver to a namespace of their own (kustomize's
+    `namespace:`) moves its service account, and the policy must still apply to it: a
+    condition that names the namespace would match nothing, silently."""
+    shutil.copytree(ROOT / "manifests", tmp_path / "manifests")
+    overlay = tmp_path / "my-cluster"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        "namespace: pcc-system\nresources:\n  - ../manifests/overlays/dra\n"
+    )
+    objects = render(str(overlay))
+    account = the(objects, "ServiceAccount", NAME)
+    assert account["metadata"]["namespace"] == "pcc-system"
+    user = f"system:serviceaccount:pcc-system:{NAME}"
+    assert the(objects, "ClusterRoleBinding")["subjects"][0]["namespace"] == "pcc-system"
+    (condition,) = the(objects, "ValidatingAdmissionPolicy")["spec"]["matchConditions"]
+    assert matches_user(condition["expression"], user)
+    for other in ("system:serviceaccount:pcc-system:default", f"system:node:{NAME}",
+                  f"system:serviceaccount:{NAME}:default"):  # fmt: skip
+        assert not matches_user(condition["expression"], other), other
 
 
 @pytest.mark.parametrize("directory", DRA)

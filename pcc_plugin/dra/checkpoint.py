@@ -11,7 +11,8 @@ rollout, a reboot) knows what it prepared. Version 1, the first:
 A file that is not that (another version, a torn write by hand) is moved aside to
 `checkpoint.json.unreadable`, said, and the driver starts empty. One call at a time, across
 instances too (either pod of a rolling update may be asked): `locked` holds a trio lock and an
-flock of `serialize.lock` beside the file, as upstream's kubeletplugin helper names it.
+flock of `serialize.lock` beside the file, as upstream's kubeletplugin helper names it, and
+gives up (`LockBusy`) when it cannot have them in the time its caller has.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -55,6 +57,11 @@ class PreparedClaim:
 Claims = dict[str, PreparedClaim]
 
 
+class LockBusy(Exception):
+    """The lock was not free within the time given: another call (of this instance or of
+    another one) holds it."""
+
+
 class Checkpoint:
     """The prepared claims of `driver`, by claim UID, in `directory`."""
 
@@ -62,6 +69,15 @@ class Checkpoint:
         self.directory = directory
         self.driver = driver
         self._lock = trio.Lock()
+
+    def peek(self) -> Claims:
+        """The claims as the file has them now, without the lock (it is replaced whole, so
+        never seen half written) and without moving an unreadable one aside (that is `read`'s,
+        under the lock)."""
+        try:
+            return _claims(json.loads((self.directory / FILE).read_bytes()))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return {}
 
     def read(self) -> Claims:
         path = self.directory / FILE
@@ -102,22 +118,48 @@ class Checkpoint:
             os.close(directory)
 
     @contextlib.asynccontextmanager
-    async def locked(self) -> AsyncIterator[Claims]:
-        """The claims, read under the lock and written back as the block leaves them (unless
-        it raises); OSError if they cannot be read or written."""
-        async with self._lock:
+    async def locked(self, within: float = math.inf) -> AsyncIterator[Claims]:
+        """The claims, read under the lock and written back as the block leaves them, if it
+        changed them (and did not raise); LockBusy if the lock is not free within `within`
+        seconds, OSError if they cannot be read or written."""
+        deadline = trio.current_time() + within
+        acquired = False
+        with trio.move_on_at(deadline):
+            await self._lock.acquire()
+            acquired = True
+        if not acquired:
+            raise LockBusy(self._busy(within))
+        try:
             descriptor = os.open(
                 self.directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
             )
             try:
-                # Another instance holds it only while it writes a few files; a thread waits
-                # for it, and is waited for even when cancelled, so the lock is never leaked.
-                await trio.to_thread.run_sync(fcntl.flock, descriptor, fcntl.LOCK_EX)
+                # Another instance holds it while it writes a few files. A thread waits for
+                # it, abandoned if the wait ends first: the descriptor is closed then, so a lock
+                # the thread takes later goes with it.
+                acquired = False
+                with trio.move_on_at(deadline):
+                    await trio.to_thread.run_sync(
+                        fcntl.flock, descriptor, fcntl.LOCK_EX, abandon_on_cancel=True
+                    )
+                    acquired = True
+                if not acquired:
+                    raise LockBusy(self._busy(within))
                 claims = self.read()
+                before = dict(claims)
                 yield claims
-                self.write(claims)
+                if claims != before:
+                    self.write(claims)
             finally:
                 os.close(descriptor)
+        finally:
+            self._lock.release()
+
+    def _busy(self, within: float) -> str:
+        return (
+            f"another call held {self.directory / LOCK} for {within:.0f} s (another instance "
+            "of the driver, or a slow disk); kubelet tries again"
+        )
 
 
 def _claims(document: Any) -> Claims:

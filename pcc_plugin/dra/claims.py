@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from pcc_plugin import cdi
-from pcc_plugin.dra.checkpoint import Checkpoint, Claims, PreparedClaim, PreparedDevice
+from pcc_plugin.dra.checkpoint import Checkpoint, Claims, LockBusy, PreparedClaim, PreparedDevice
 from pcc_plugin.dra.kube import RequestFailed, describe_error, status_code
 from pcc_plugin.inventory import Inventory
 from pcc_plugin.klog import V1
@@ -27,8 +27,12 @@ from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
-# Reading the claims of one call from the API server: well inside grpc_server.UNARY_TIMEOUT
-# (30 s), itself inside kubelet's 45 s, so that kubelet always hears why a claim failed.
+# Every call is answered within this (claims read, the lock waited for, the work done), inside
+# grpc_server.UNARY_TIMEOUT (30 s), itself inside kubelet's 45 s: kubelet always hears why a
+# claim failed, a claim that could not be read or a lock another call held too long.
+ANSWER_WITHIN = 25.0
+# Reading the claims of one call from the API server, before the lock is taken: a stalled read
+# holds up no other call.
 READ_CLAIMS_TIMEOUT = 20.0
 
 # Reads a ResourceClaim as JSON (namespace, name); raises kube.RequestFailed.
@@ -77,17 +81,19 @@ class Preparer:
     async def prepare(self, claims: list[ClaimRef]) -> dict[str, PreparedClaim | str]:
         """Each claim as prepared, or why it cannot be now.
 
-        1. Under the checkpoint's lock, the claims prepared before are known.
-        2. The others are read from the API server, all at once.
-        3. A claim prepared before gets the same answer (its CDI spec written again if it was
-           lost: /var/run/cdi is a tmpfs); a new one gets this driver's devices of its
-           allocation, a CDI spec, and a record.
-        4. The checkpoint is written as the lock is let go, before kubelet hears the answers.
+        1. The claims not prepared before (as the checkpoint says now) are read from the API
+           server, all at once, without the lock: a stalled read holds up no other call.
+        2. Under the checkpoint's lock, a claim prepared before gets the same answer (its CDI
+           spec written again if it was lost: /var/run/cdi is a tmpfs); a new one gets this
+           driver's devices of its allocation, a CDI spec, and a record.
+        3. The checkpoint is written as the lock is let go, before kubelet hears the answers.
         """
+        deadline = trio.current_time() + ANSWER_WITHIN
+        known = self.checkpoint.peek()
+        read = await self._read([claim for claim in claims if claim.uid not in known])
         answers: dict[str, PreparedClaim | str] = {}
         try:
-            async with self.checkpoint.locked() as prepared:
-                read = await self._read([claim for claim in claims if claim.uid not in prepared])
+            async with self.checkpoint.locked(deadline - trio.current_time()) as prepared:
                 for claim in claims:
                     try:
                         answers[claim.uid] = self._prepare(claim, prepared, read)
@@ -95,20 +101,24 @@ class Preparer:
                         self.state.prepared("failed")
                         log.warning("NodePrepareResources %s: %s", claim, exc)
                         answers[claim.uid] = str(exc)
-        except OSError as exc:
+        except (OSError, LockBusy) as exc:
             self.state.prepared("failed", len(claims))
             return dict.fromkeys((claim.uid for claim in claims), self._unrecorded(exc))
         return answers
 
     async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
         """For each claim, None once it is unprepared (also if it never was), else why not:
-        its CDI spec removed (if this instance wrote it), then its record."""
+        its CDI spec removed (this driver's, whichever instance name wrote it, if the claim
+        is in its checkpoint; else only if this instance wrote it), then its record."""
         answers: dict[str, str | None] = {}
         try:
-            async with self.checkpoint.locked() as prepared:
+            async with self.checkpoint.locked(ANSWER_WITHIN) as prepared:
                 for claim in claims:
                     try:
-                        cdi.remove_claim_spec(self.cdi_dir, self.driver, claim.uid, self.owner)
+                        cdi.remove_claim_spec(
+                            self.cdi_dir, self.driver, claim.uid, self.owner,
+                            any_instance=claim.uid in prepared,
+                        )  # fmt: skip
                     except OSError as exc:
                         self.state.unprepared("failed")
                         answers[claim.uid] = f"cannot remove its CDI spec: {exc}"
@@ -118,19 +128,31 @@ class Preparer:
                     what = "unprepared" if known else "not prepared here, nothing to do"
                     log.log(V1, "NodeUnprepareResources %s: %s", claim, what)
                     answers[claim.uid] = None
-        except OSError as exc:
+        except (OSError, LockBusy) as exc:
             self.state.unprepared("failed", len(claims))
             return dict.fromkeys((claim.uid for claim in claims), self._unrecorded(exc))
         return answers
 
-    def restore_specs(self) -> None:
-        """At start: write the spec of every checkpointed claim that lost it (a reboot)."""
-        for uid, claim in self.checkpoint.read().items():
-            if claim.devices and not cdi.claim_spec_path(self.cdi_dir, self.driver, uid).exists():
-                try:
-                    self._write_spec(uid, claim)
-                except ClaimError as exc:
-                    log.error("Prepared claim %s: %s", uid, exc)
+    async def restore_specs(self) -> None:
+        """At start: write the spec of every checkpointed claim that lost it (a reboot). Under
+        the lock, however long it takes: another instance may be unpreparing one of them."""
+        try:
+            async with self.checkpoint.locked() as prepared:
+                written = 0
+                for uid, claim in prepared.items():
+                    if (
+                        claim.devices
+                        and not cdi.claim_spec_path(self.cdi_dir, self.driver, uid).exists()
+                    ):
+                        try:
+                            self._write_spec(uid, claim)
+                            written += 1
+                        except ClaimError as exc:
+                            log.error("Prepared claim %s: %s", uid, exc)
+                log.log(V1, "Checked the CDI specs of %d prepared claims: %d written again",
+                        len(prepared), written)  # fmt: skip
+        except OSError as exc:
+            log.error("Prepared claims' CDI specs not checked: %s", exc)
 
     def _prepare(
         self, claim: ClaimRef, prepared: Claims, read: dict[str, dict[str, Any] | str]
@@ -145,7 +167,10 @@ class Preparer:
                 self._write_spec(claim.uid, again)
             self.state.prepared("ok")
             return again
-        found = read[claim.uid]
+        found = read.get(claim.uid)
+        if found is None:
+            # Prepared when this call looked, unprepared by another call since.
+            raise ClaimError("it was unprepared while this call prepared it; kubelet tries again")
         if isinstance(found, str):
             raise ClaimError(found)
         new = PreparedClaim(claim.namespace, claim.name, self._allocated(claim, found))
@@ -212,6 +237,8 @@ class Preparer:
         return tuple(devices)
 
     def _write_spec(self, uid: str, claim: PreparedClaim) -> None:
+        """The spec of a claim this driver prepared: its own, whichever instance name wrote a
+        spec there before."""
         device = self.inventory.get(claim.devices[0].device)
         if device is None:
             raise ClaimError(f"device {claim.devices[0].device} is no longer one of this node's")
@@ -222,8 +249,11 @@ class Preparer:
         except (OSError, cdi.CdiConflict) as exc:
             raise ClaimError(f"cannot write its CDI spec: {exc}") from None
 
-    def _unrecorded(self, error: OSError) -> str:
+    def _unrecorded(self, error: OSError | LockBusy) -> str:
         """Kubelet retries; the operator reads why in the pod's events and here."""
-        problem = f"cannot record prepared claims in {self.checkpoint.directory}: {error}"
+        if isinstance(error, LockBusy):
+            problem = str(error)
+        else:
+            problem = f"cannot record prepared claims in {self.checkpoint.directory}: {error}"
         log.error("%s", problem)
         return problem

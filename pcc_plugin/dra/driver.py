@@ -22,13 +22,13 @@ from pcc_plugin.dra import kube, slices
 from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.dra.claims import Preparer
 from pcc_plugin.dra.service import DraService, RegistrationService
-from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
+from pcc_plugin.dra.sockets import earlier_sockets, instance_token, socket_paths, state_dir
 from pcc_plugin.flags import Flags
 from pcc_plugin.fs import Identity
 from pcc_plugin.generations import Backoff, Generation, serve_generations
 from pcc_plugin.inotify import DIR_GONE, VANISHED, next_events
 from pcc_plugin.inventory import Inventory, watch_health
-from pcc_plugin.plugin_dir import own_socket_problem, remove_stale_sockets
+from pcc_plugin.plugin_dir import accepts_connections, own_socket_problem, remove_stale_sockets
 from pcc_plugin.resource import Device, ResourceSpec
 from pcc_plugin.state import ResourceState
 
@@ -67,17 +67,24 @@ class DraMode:
         def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
             return slices.desired(pool, inventory.spec, inventory.devices)
 
+        pool = slices.Pool(config.driver_name, config.node_name, "")
+        me = slices.Instance.starting(instance_token(config))
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)
                 nursery.start_soon(
-                    slices.publish, api, config.driver_name, config.node_name, wanted,
-                    lambda: self._changed, self.state,
+                    slices.publish, api, pool, me, self._alive, wanted, lambda: self._changed,
+                    self.state,
                 )  # fmt: skip
                 nursery.start_soon(serve_generations, self, bug_backoff)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
                 await api.close()
+
+    def _alive(self, other: slices.Instance) -> bool:
+        """Whether another instance of the driver on this node still serves its DRA socket
+        (each removes its sockets as it stops)."""
+        return accepts_connections(socket_paths(self.config, other.token)[1])
 
     async def serve_generation(self, generation: Generation) -> None:
         """Serve the DRA socket, then the registration socket, and watch both (each is removed
@@ -85,7 +92,8 @@ class DraMode:
         config = self.config
         state_dir(config).mkdir(parents=True, exist_ok=True)
         remove_stale_sockets(earlier_sockets(config))
-        self.preparer.restore_specs()
+        # Beside the sockets, not before them: it waits for the lock another instance may hold.
+        generation.nursery.start_soon(self.preparer.restore_specs)
         self.state.waiting("waiting for kubelet to register the driver")
         registration_path, dra_path = socket_paths(config)
         report = self.state.handler_failed

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -75,8 +75,9 @@ class Api:
 
     async def watch_slices(
         self, fields: dict[str, Any], version: str
-    ) -> AsyncIterator[tuple[str, Obj]]:
-        """Events from `version` on, until the caller stops; RequestFailed if it breaks."""
+    ) -> AsyncGenerator[tuple[str, Obj], None]:
+        """Events from `version` on, until the caller stops; RequestFailed if it breaks (410
+        Gone once `version` is too old). The caller closes it (contextlib.aclosing)."""
         events = cast(
             "AsyncGenerator[tuple[str, Any], None]",
             self._client.watch(ResourceSlice, fields=fields, resource_version=version),
@@ -216,8 +217,13 @@ def exec_plugin(plugin: Obj, cluster: Obj) -> Obj:
 
 
 def status_code(error: BaseException) -> int | None:
-    """The HTTP status the API server answered with, None if it did not answer."""
-    return error.status.code if isinstance(error, ApiError) else None
+    """The HTTP status the API server answered with (in a watch's ERROR event too), None if it
+    did not answer."""
+    if isinstance(error, ApiError):
+        return error.status.code
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code
+    return None
 
 
 def describe_error(error: BaseException) -> str:

@@ -1,8 +1,9 @@
 """The gRPC services of the DRA mode: plugin registration, and kubelet's DRAPlugin (v1, v1beta1).
 
-Requests are checked by `wire` before they are decoded (a malformed one is INVALID_ARGUMENT,
-without a traceback). A call that fails for one claim answers that claim's error and the
-others' devices: kubelet fails only the pods of that claim, and tries them again.
+Requests are read by `wire`, which checks each field as it reads it and stops at the first
+one past a limit (a malformed or oversized request is INVALID_ARGUMENT, without a traceback).
+A call that fails for one claim answers that claim's error and the others' devices: kubelet
+fails only the pods of that claim, and tries them again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
 # Kubelet sends the claims of one pod; a pod has far fewer.
 MAX_CLAIMS = 128
+# A claim names a namespace (63 bytes at most), a name (253) and a UID (36): with their
+# keys and lengths, some 360 bytes.
+MAX_CLAIM_BYTES = 1024
 
 
 class RegistrationService:
@@ -129,11 +133,25 @@ class DraService:
 
 
 def read_claims(data: bytes, name: str) -> list[ClaimRef]:
-    wire.check_request(data, wire.CLAIMS_REQUEST, name)
-    request = v1.NodePrepareResourcesRequest.parse(data)
-    if len(request.claims) > MAX_CLAIMS:
-        raise GRPCError(Status.INVALID_ARGUMENT, f"{name} has more than {MAX_CLAIMS} claims")
-    claims = [ClaimRef(claim.namespace, claim.name, claim.uid) for claim in request.claims]
+    """The claims of request `name`, read from the wire as far as the limits allow: a request
+    past one costs what its bytes up to there cost (INVALID_ARGUMENT), not all of it."""
+    try:
+        read = wire.read_claims_request(data, MAX_CLAIMS, MAX_CLAIM_BYTES)
+    except wire.TooManyOthers:
+        why = f"{name} has more than {MAX_CLAIMS} fields besides its claims"
+        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
+    except wire.TooMany:
+        why = f"{name} has more than {MAX_CLAIMS} claims"
+        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
+    except wire.TooLong as exc:
+        why = (
+            f"{name} names a claim of {exc.size} bytes, more than the {MAX_CLAIM_BYTES} of any "
+            "claim kubelet names"
+        )
+        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
+    except wire.WireError as exc:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from None
+    claims = [ClaimRef(claim["namespace"], claim["name"], claim["uid"]) for claim in read]
     for claim in claims:
         if not claim.uid or not claim.namespace or not claim.name:
             raise GRPCError(

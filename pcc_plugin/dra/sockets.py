@@ -26,12 +26,18 @@ def state_dir(config: Flags) -> Path:
     return Path(config.kubelet_plugins_path) / config.driver_name
 
 
-def socket_paths(config: Flags) -> tuple[Path, Path]:
-    """The registration socket and the DRA socket of this instance.
+def instance_token(config: Flags) -> str:
+    """What tells this instance's sockets from another's: the pod's UID, or the process's."""
+    return config.pod_uid or process_token()
+
+
+def socket_paths(config: Flags, token: str = "") -> tuple[Path, Path]:
+    """The registration socket and the DRA socket of this instance (or of the instance whose
+    token is `token`).
 
     With a name too long for a unix socket, the token and driver give way to a hash of them.
     """
-    token = config.pod_uid or process_token()
+    token = token or instance_token(config)
     registry = Path(config.kubelet_registry_path)
     registration = registry / f"{config.driver_name}-{token}{REGISTRATION_SUFFIX}"
     dra = state_dir(config) / f"dra-{token}.sock"

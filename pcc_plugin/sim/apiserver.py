@@ -10,6 +10,11 @@ state holds.
 
 Faults: `stop` makes it unreachable (connections refused, open watches cut), `start` serves
 again on the same port; `delete_slices` is what kubelet does to a node's slices when it starts.
+Routine answers of kube-apiserver, on demand: `conflict_next_write` (someone else writes the
+slice first: 409), `expire_watches` (410 Gone, as a watch whose resource version was compacted
+away ends); `stall` holds the requests it matches until `release`; `recreate_node` deletes a
+Node and registers it again with a new UID, and the garbage collector then deletes the slices
+the old one owned, as kube-controller-manager's does.
 """
 
 from __future__ import annotations
@@ -100,6 +105,14 @@ class FakeApiServer:
         self._slices: dict[str, Obj] = {}
         self._events: list[tuple[int, str, Obj]] = []
         self.requests: list[str] = []
+        # A watch from before this resource version ends with 410 Gone (expire_watches).
+        self._oldest_watchable = 0
+        self._conflict_armed = False
+        # Requests (`METHOD path`) the predicate matches wait until release().
+        self._stalled: Callable[[str], bool] | None = None
+        self._released = threading.Event()
+        # The requests held so far (`METHOD path`), oldest first.
+        self.held: list[str] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()
@@ -214,6 +227,55 @@ class FakeApiServer:
                     del self._slices[name]
                     self._event("DELETED", obj)
 
+    def slice_writes(self) -> int:
+        """Requests that created, replaced or deleted a slice, answered or refused."""
+        with self._changed:
+            return sum(
+                1
+                for request in self.requests
+                if request.split()[0] in ("POST", "PUT", "DELETE") and "/resourceslices" in request
+            )
+
+    def recreate_node(self, name: str) -> Obj:
+        """The Node deleted and registered again (a new UID); the garbage collector deletes
+        the slices the old Node owned."""
+        with self._changed:
+            node = self.add_node(name)
+            self._collect_garbage()
+        return node
+
+    def conflict_next_write(self) -> None:
+        """The next write of a slice finds that someone else wrote it first: 409."""
+        with self._changed:
+            self._conflict_armed = True
+
+    def expire_watches(self) -> None:
+        """Every open watch ends with 410 Gone, and so does a watch from before now."""
+        with self._changed:
+            # A list from now on gives a version a watch may start from.
+            self._oldest_watchable = int(self._bump())
+            self._changed.notify_all()
+
+    def stall(self, matches: Callable[[str], bool]) -> None:
+        """Hold each request whose `METHOD path` `matches` until `release`."""
+        with self._changed:
+            self._released.clear()
+            self._stalled = matches
+
+    def release(self) -> None:
+        with self._changed:
+            self._stalled = None
+            self._released.set()
+
+    def _hold(self, request: str) -> None:
+        with self._changed:
+            stalled = self._stalled is not None and self._stalled(request)
+            if stalled:
+                self.held.append(request)
+                self._changed.notify_all()
+        if stalled:
+            self._released.wait()
+
     def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         with self._changed:
             if not self._changed.wait_for(predicate, timeout):
@@ -232,6 +294,31 @@ class FakeApiServer:
         self._version = next(self._versions)
         return str(self._version)
 
+    def _requested(self, request: str) -> None:
+        self.requests.append(request)
+        self._changed.notify_all()
+
+    def _collect_garbage(self) -> None:
+        """Delete the slices whose owning Node is gone (by UID), as the garbage collector does."""
+        uids = {node["metadata"]["uid"] for node in self.nodes.values()}
+        for name, obj in list(self._slices.items()):
+            owners = obj["metadata"].get("ownerReferences") or []
+            if any(o.get("kind") == "Node" and o.get("uid") not in uids for o in owners):
+                del self._slices[name]
+                self._event("DELETED", obj)
+
+    def _conflict(self, name: str, body: Obj) -> None:
+        """Someone else writes the slice just before this write (conflict_next_write)."""
+        self._conflict_armed = False
+        old = self._slices.get(name)
+        if old is None:
+            self._slices[name] = {**body, "metadata": {**body["metadata"], **self._metadata(name)}}
+            self._event("ADDED", self._slices[name])
+            return
+        labels = {**(old["metadata"].get("labels") or {}), "touched-by": "someone-else"}
+        old["metadata"] = {**old["metadata"], "labels": labels, "resourceVersion": self._bump()}
+        self._event("MODIFIED", old)
+
     def _event(self, kind: str, obj: Obj) -> None:
         if kind == "DELETED":
             obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": self._bump()}}
@@ -249,7 +336,7 @@ class FakeApiServer:
     def answer(self, method: str, path: str, query: dict[str, str], body: Obj | None) -> Obj:
         """The answer to one request that is not a watch; Rejected for an error status."""
         with self._changed:
-            self.requests.append(f"{method} {path}")
+            self._requested(f"{method} {path}")
             if match := re.fullmatch(r"/api/v1/nodes/([^/]+)", path):
                 return self._get(self.nodes, match[1], "nodes")
             if match := re.fullmatch(
@@ -266,10 +353,20 @@ class FakeApiServer:
                     "items": [obj for obj in self._slices.values() if _selected(obj, query)],
                 }
             if path == f"{RESOURCE_API}/resourceslices" and method == "POST":
-                return self._create(body or {})
+                if self._conflict_armed and body:
+                    self._conflict(body["metadata"]["name"], body)
+                return self._after_write(self._create(body or {}))
             if match := re.fullmatch(rf"{RESOURCE_API}/resourceslices/([^/]+)", path):
-                return self._slice(method, match[1], body)
+                if self._conflict_armed and method == "PUT" and body:
+                    self._conflict(match[1], body)
+                return self._after_write(self._slice(method, match[1], body))
         raise Rejected(404, "NotFound", f"the server could not find the requested resource {path}")
+
+    def _after_write(self, obj: Obj) -> Obj:
+        """The answer to a write; a slice whose Node is gone is then collected."""
+        answer: Obj = json.loads(json.dumps(obj))
+        self._collect_garbage()
+        return answer
 
     def _get(self, store: dict[Any, Obj], key: Any, kind: str) -> Obj:
         if key not in store:
@@ -301,18 +398,24 @@ class FakeApiServer:
             raise Rejected(409, "Conflict", "the object has been modified")
         if body["spec"]["nodeName"] != old["spec"]["nodeName"]:
             raise Rejected(422, "Invalid", "spec.nodeName: field is immutable")
-        body["metadata"] = {**old["metadata"], "resourceVersion": self._bump()}
+        # The writer's metadata (annotations, owners), the server's identity of the object.
+        identity = {"name": name, "uid": old["metadata"]["uid"], "resourceVersion": self._bump()}
+        body["metadata"] = {**body["metadata"], **identity}
         self._slices[name] = body
         self._event("MODIFIED", body)
         return body
 
     def _news(self, server: ThreadingHTTPServer | None, since: int) -> bool:
-        """Stopped since `server` began, or events after `since`."""
-        return self._server is not server or bool(self._events and self._events[-1][0] > since)
+        """Stopped since `server` began, events after `since`, or the watch expired."""
+        return (
+            self._server is not server
+            or since < self._oldest_watchable
+            or bool(self._events and self._events[-1][0] > since)
+        )
 
     def check_watch(self, query: dict[str, str]) -> None:
         with self._changed:
-            self.requests.append("WATCH resourceslices")
+            self._requested("WATCH resourceslices")
             if int(query.get("resourceVersion") or 0) > self._version:
                 raise Rejected(504, "Timeout", "Too large resource version")
 
@@ -325,6 +428,10 @@ class FakeApiServer:
             with self._changed:
                 self._changed.wait_for(functools.partial(self._news, server, since))
                 if self._server is not server:
+                    return
+                if since < self._oldest_watchable:
+                    gone = status(410, "Expired", f"too old resource version: {since}")
+                    send(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
                     return
                 pending = [event for event in self._events if event[0] > since]
             for version, kind, obj in pending:
@@ -385,6 +492,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if self.headers.get("Authorization") != f"Bearer {self.api.token}":
                 raise Rejected(401, "Unauthorized", "Unauthorized")
+            self.api._hold(f"{method} {url.path}")
             if query.get("watch") in ("true", "1"):
                 self._watch(query)
                 return

@@ -16,7 +16,9 @@ Check 9, after the device plugin's uninstall (check 8):
    with its args, passes the DRA driver check;
 2. admission: the driver's own token, pod-bound (read where kubelet mounts it in the pod), may
    write its node's slices and no other node's (the ValidatingAdmissionPolicy); a token of the
-   same service account bound to no pod may write none; RBAC gives it nothing else;
+   same service account bound to no pod may write none; RBAC gives it nothing else; the same
+   overlay moved to another namespace by a user's overlay (``namespace:``): the policy still
+   applies to its service account;
 3. a pod with a claim (manifests/examples/dra-app) runs; inside it ``/dev/sev-guest`` is a
    writable character device and ``/var/run/pcc`` the node's directory, from the CDI spec the
    driver wrote for the claim (containerd's log names the claim's CDI device);
@@ -29,7 +31,15 @@ Check 9, after the device plugin's uninstall (check 8):
    (Pending, the scheduler's reason); restored: the devices are back and the pod runs;
 7. kubelet restarted, then the driver's pod deleted, with claims prepared: the running pods keep
    their containers and devices, the slices are published again; a pod deleted after the new
-   driver started has its claim unprepared by it (the spec gone), and a new pod gets the share.
+   driver started has its claim unprepared by it (the spec gone), and a new pod gets the share;
+8. a rolling update of the driver whose new version publishes one attribute changed
+   (``--resource-name`` of another vendor: the attribute ``resourceName``), and the rollback:
+   the newer instance's slices win, the slice writes over each rollout are counted and stay
+   within the driver's bound (docs/dra.md, "Rolling updates");
+9. kube-apiserver stopped for 20 s while a claim pod is being started and another deleted:
+   the driver needs no API server to unprepare, the pod starts and the other is gone as soon
+   as it is back, the running pods keep their containers and devices, the checkpoint holds
+   exactly the running pods' claims, the driver was not restarted.
 """
 
 from __future__ import annotations
@@ -76,8 +86,37 @@ SLICES = f"{RESOURCE_API}/resourceslices"
 CLAIM_PREFIX = "dra-"
 # A node that does not exist: the admission policy must refuse the driver its slices.
 OTHER_NODE = "pcc-e2e-other-node"
+# Check 9.2: the namespace a user's overlay moves the driver to.
+MOVED = "pcc-e2e-moved"
 # The scheduler's words for a pod whose claims no device can satisfy.
 UNALLOCATABLE = "cannot allocate all claims"
+# The driver's bound on its slice writes (pcc_plugin/dra/slices.py, WRITE_BURST and
+# WRITE_EVERY): each instance writes the pool at most this many times at once, then once per
+# this many seconds.
+WRITE_BURST = 5
+WRITE_EVERY = 30.0
+# Check 9.8: the new version's only change, one attribute of every device (resourceName).
+CHANGED_RESOURCE = "example.com/pcc-device"
+# After each rollout the slices are watched this long for more writes: longer than
+# WRITE_EVERY, so that two instances still writing over each other would show.
+SETTLE = WRITE_EVERY + 10
+# Check 9.9: how long kube-apiserver is stopped.
+OUTAGE = 20.0
+STATE_DIR = Path("/var/lib/kubelet/plugins") / DRIVER
+
+
+def write_bound(seconds: float) -> int:
+    """The most slice writes two instances of the driver can make in `seconds`."""
+    return 2 * (WRITE_BURST + int(seconds // WRITE_EVERY) + 1)
+
+
+def resource_names(pool: list[Obj]) -> set[str]:
+    """The resourceName attribute of each device the pool lists."""
+    return {
+        device["attributes"]["resourceName"]["string"]
+        for s in pool
+        for device in s["spec"].get("devices") or []
+    }
 
 
 def spec_path(claim_uid: str) -> Path:
@@ -374,6 +413,45 @@ class Dra:
             await self.refused("GET", path, None, token)
         self.report.check("RBAC: the driver's token may not list secrets or pods")
 
+    # 9.2, a user's overlay in another namespace
+
+    async def admission_in_another_namespace(self) -> None:
+        """A user's overlay that moves the driver to a namespace of its own: its service
+        account's writes are still held to its node's slices (the policy does not name
+        kube-system). Only the account, its binding (renamed, so that the running driver keeps
+        its own) and the policy of that overlay are applied: one driver per node."""
+        self.report.variant = "9 dra admission moved"
+        cluster = self.cluster
+        overlay = cluster.manifests.parent / "moved"
+        overlay.mkdir()
+        (overlay / "kustomization.yaml").write_text(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+            f"namespace: {MOVED}\nresources:\n  - ../manifests/overlays/dra\n"
+        )
+        objects = list(yaml.safe_load_all(await cluster.kubectl("kustomize", str(overlay))))
+        wanted = ("ServiceAccount", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                  "ValidatingAdmissionPolicyBinding")  # fmt: skip
+        applied = [obj for obj in objects if obj and obj["kind"] in wanted]
+        for obj in applied:
+            if obj["kind"] == "ClusterRoleBinding":
+                obj["metadata"]["name"] = f"{MOVED}-dra"
+        await cluster.kubectl("create", "namespace", MOVED)
+        await cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(applied))
+        token = await cluster.kubectl("-n", MOVED, "create", "token", DAEMONSET)
+        dry_run = f"{SLICES}?dryRun=All"
+        refused = await self.refused("POST", dry_run, probe_slice(NODE_NAME), token.strip())
+        expect("its token names no node" in refused, refused)
+        await cluster.kubectl("delete", "clusterrolebinding", f"{MOVED}-dra")
+        await cluster.kubectl("delete", "namespace", MOVED, "--wait=false")
+        # The policy as the operator's own overlay has it (the moved one's is the same).
+        restriction = cluster.manifests / "overlays" / "dra" / "node-restriction.yaml"
+        await cluster.kubectl("apply", "-f", str(restriction))
+        self.report.check(
+            f"a user's overlay with namespace: {MOVED}: its service account, bound the "
+            f"overlay's ClusterRole, may still not write a slice from a token bound to no pod: "
+            f"{refused}"
+        )
+
     # 9.3 and 9.4
 
     async def claims_served(self) -> None:
@@ -576,6 +654,148 @@ class Dra:
     def absent(self, name: str) -> bool | None:
         return None if f"{CONSUMERS}/{name}" in self.cluster.pods.current else True
 
+    # 9.8
+
+    def writes_since(self, start: float) -> int:
+        """Writes of the node's pool (each a new version of one of its slices, or a deletion)
+        the watch saw since `start`."""
+        return sum(
+            1
+            for versions in self.slices.history.values()
+            for at, _, obj in versions
+            if at >= start
+            and obj["spec"]["driver"] == DRIVER
+            and obj["spec"].get("nodeName") == NODE_NAME
+        )
+
+    async def roll_out(self, what: str, change: list[str], resource: str) -> None:
+        """One rolling update of the driver (`change` is the kubectl command that starts it):
+        rolled out, the pool saying `resource`, its writes counted until SETTLE after."""
+        cluster = self.cluster
+        (old,) = cluster.plugin_pods()
+        started = now()
+        await cluster.kubectl(*change)
+        new = await cluster.wait_rolled_out(f"{what}: the new driver ready, the old gone", old)
+        rolled = now()
+        self.report.figure(f"dra {what}: started → rolled out", rolled - started)
+
+        def says() -> bool | None:
+            listed = self.published()
+            return True if listed and resource_names(self.pool()) == {resource} else None
+
+        await self.slices.until(f"{what}: every device's resourceName {resource}", says, 60)
+        # An observation of what two instances do after the rollout, not a synchronisation.
+        await trio.sleep(SETTLE)
+        expect(resource_names(self.pool()) == {resource},
+               f"{what}: the slices went back to {resource_names(self.pool())}")  # fmt: skip
+        writes = self.writes_since(started)
+        seconds = now() - started
+        bound = write_bound(seconds)
+        expect(writes <= bound, f"{what}: {writes} slice writes in {seconds:.0f} s, over {bound}")
+        self.report.note(f"{what}: {writes} slice write(s) over the rollout and {SETTLE:.0f} s "
+                         f"after ({seconds:.0f} s; the bound is {bound})")  # fmt: skip
+        self.report.check(
+            f"{what}: {new['metadata']['name']} replaced {old['metadata']['name']}; every "
+            f"device says resourceName {resource}, and still does {SETTLE:.0f} s later; "
+            f"{writes} slice write(s), within the bound of {bound}"
+        )
+
+    async def rolling_update(self) -> None:
+        """A new version whose slices say one thing differently, then the way back."""
+        self.report.variant = "9 dra rollout"
+        patch = json.dumps([{
+            "op": "add", "path": "/spec/template/spec/containers/0/args/-",
+            "value": f"--resource-name={CHANGED_RESOURCE}",
+        }])  # fmt: skip
+        await self.roll_out(
+            "rollout", ["-n", SYSTEM, "patch", "daemonset", DAEMONSET, "--type=json", "-p", patch],
+            CHANGED_RESOURCE,
+        )  # fmt: skip
+        overlay = self.cluster.manifests / "overlays" / "dra"
+        await self.roll_out("rollback", ["apply", "-k", str(overlay)], RESOURCE)
+
+    # 9.9
+
+    async def api_server_outage(self) -> None:
+        """kube-apiserver stopped for OUTAGE seconds while one claim pod starts and another
+        stops."""
+        self.report.variant = "9 dra api outage"
+        cluster = self.cluster
+        spec = await self.delete(self.claim_pods()[0])
+        await self.gone("a share freed", spec)
+        running = [p for p in self.claim_pods() if phase(p) == "Running"]
+        leaving, staying = running[-1], running[:-1]
+        held = await self.held()
+        devices = {p["metadata"]["name"]: held[p["metadata"]["name"]] for p in staying}
+        (driver,) = cluster.plugin_pods()
+        restarts = driver["status"]["containerStatuses"][0]["restartCount"]
+        slices_before = {s["metadata"]["uid"] for s in self.pool()}
+
+        arriving = f"{CLAIM_PREFIX}during-outage"
+        await self.create(arriving)
+
+        def bound() -> bool | None:
+            pod = cluster.pods.current.get(f"{CONSUMERS}/{arriving}")
+            return True if pod and pod["spec"].get("nodeName") else None
+
+        await cluster.pods.until(f"{arriving} scheduled", bound, 60)
+        leaving_spec = await self.delete(leaving)
+        name = leaving["metadata"]["name"]
+
+        def deleting() -> bool | None:
+            pod = cluster.pods.current.get(f"{CONSUMERS}/{name}")
+            return True if pod is None or "deletionTimestamp" in pod["metadata"] else None
+
+        await cluster.pods.until(f"{name} being deleted", deleting, 30)
+
+        stopped = now()
+        await cluster.control_plane.stop_api_server()
+        unprepared: float | None = None
+        with trio.move_on_after(OUTAGE):
+            unprepared = await self.gone(f"{name} unprepared without the API server",
+                                         leaving_spec)  # fmt: skip
+        if unprepared is not None:
+            self.report.figure("dra outage: API server stopped → a deleted pod unprepared",
+                               unprepared - stopped)  # fmt: skip
+        else:
+            self.report.note(f"{name}: not unprepared while the API server was down (kubelet "
+                             "had not seen its deletion); after it")  # fmt: skip
+        # The outage itself, not a synchronisation.
+        await trio.sleep(max(0.0, OUTAGE - (now() - stopped)))
+        back = await cluster.control_plane.start_api_server()
+        self.report.figure("dra outage: kube-apiserver stopped → ready again", back - stopped)
+
+        await cluster.consumer_running(arriving)
+        self.report.figure(f"dra outage: API server back → {arriving} running", now() - back)
+        await self.gone(f"{name} unprepared", leaving_spec)
+        await cluster.pods.until(f"{name} gone", functools.partial(self.absent, name), 60)
+        self.report.figure(f"dra outage: API server back → {name} gone", now() - back)
+        await self.kept(staying, devices, "the API server stopped")
+        await self.wait_published("after the outage", SHARES)
+        (after,) = cluster.plugin_pods()
+        expect(
+            after["metadata"]["uid"] == driver["metadata"]["uid"]
+            and after["status"]["containerStatuses"][0]["restartCount"] == restarts,
+            f"the driver was restarted: {after['metadata']['name']} {after['status']}",
+        )
+        claims = {
+            self.device_of(pod)[0]
+            for pod in cluster.consumer_pods()
+            if "deletionTimestamp" not in pod["metadata"]
+            and phase(pod) == "Running"
+            and claim_name(pod)
+        }
+        recorded = set(json.loads((STATE_DIR / "checkpoint.json").read_text())["claims"])
+        expect(recorded == claims, f"the checkpoint holds {sorted(recorded)}, the running pods' "
+                                   f"claims are {sorted(claims)}")  # fmt: skip
+        kept = {s["metadata"]["uid"] for s in self.pool()} == slices_before
+        self.report.check(
+            f"kube-apiserver stopped {OUTAGE:.0f} s: {name}, deleted, unprepared and gone, "
+            f"{arriving} runs, {len(staying)} claim pods kept their containers and devices, the "
+            f"checkpoint holds the {len(claims)} running pods' claims, the driver was not "
+            f"restarted; the slices {'kept' if kept else 'published again'}"
+        )
+
 
 async def migrate_and_back(cluster: Cluster, slices: Watch, claims: Watch) -> None:
     """Check 7, on the device plugin's cluster with its consumers running."""
@@ -587,7 +807,10 @@ async def run(cluster: Cluster, slices: Watch, claims: Watch) -> None:
     dra = Dra(cluster, slices, claims)
     plugin = await dra.install()
     await dra.admission(plugin)
+    await dra.admission_in_another_namespace()
     await dra.claims_served()
     await dra.extended_resource()
     await dra.device_removed()
     await dra.restarts()
+    await dra.rolling_update()
+    await dra.api_server_outage()

@@ -284,3 +284,17 @@ class ControlPlane:
     async def stop(self) -> None:
         for daemon in reversed(self.daemons):
             await daemon.stop()
+
+    async def stop_api_server(self) -> None:
+        """kube-apiserver alone stopped (an outage of the control plane's front door)."""
+        await self.daemons[1].stop()
+
+    async def start_api_server(self) -> float:
+        """kube-apiserver started again and ready; when it was (CLOCK_BOOTTIME)."""
+        apiserver = self.daemons[1]
+        await apiserver.start()
+        answers = functools.partial(
+            self._answers, apiserver, f"{API_SERVER}/readyz", self.pki.ca.certificate
+        )
+        _, ready_at = await wait_for(f"{apiserver.name} answers again", answers, 120)
+        return ready_at

@@ -10,6 +10,8 @@ thread; everything else runs in trio.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import ssl
@@ -22,7 +24,7 @@ import attrs
 import trio
 
 from .control_plane import API_SERVER, ControlPlane
-from .poll import Unavailable
+from .poll import Unavailable, wait_for
 from .report import now
 
 Obj = dict[str, Any]
@@ -30,6 +32,9 @@ T = TypeVar("T")
 CALL_TIMEOUT = 10.0
 # A watch ends after this long (the API server's limit); long enough for any session.
 WATCH_SECONDS = 3600
+# After a watch ended (the API server stopped, or it expired the watch), how long the list
+# may take to answer again.
+RELIST_WITHIN = 300
 
 
 @attrs.define
@@ -113,6 +118,10 @@ def key(obj: Obj) -> str:
     return f"{metadata.get('namespace', '')}/{metadata['name']}"
 
 
+class Expired(Exception):
+    """The API server ended a watch with an error event (410 Gone: its version is too old)."""
+
+
 @attrs.define
 class Watch:
     """The objects of one list path, as the API server's watch reports them.
@@ -137,28 +146,54 @@ class Watch:
         self.changed = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """List, then follow the watch from that list's version, until cancelled."""
+        """List, then follow the watch from that list's version, until cancelled. When the
+        watch ends (the API server stopped, or it expired the watch), list again once the API
+        server answers, with what changed meanwhile as events, and follow on from there."""
+        version = await self._list()
+        task_status.started()
+        while True:
+            # Abandoned when cancelled: the thread ends with the process.
+            with contextlib.suppress(OSError, http.client.HTTPException, ValueError, Expired):
+                await trio.to_thread.run_sync(
+                    self._follow, version, trio.lowlevel.current_trio_token(),
+                    abandon_on_cancel=True,
+                )  # fmt: skip
+            version, _ = await wait_for(f"the API server lists {self.path} again",
+                                        self._relisted, RELIST_WITHIN)  # fmt: skip
+
+    async def _list(self) -> str:
+        """The objects as listed now, changes since the last list applied; its version."""
         listed = await self.api.get(self.path)
-        for item in listed["items"]:
-            self._apply("ADDED", item)
-        version = listed["metadata"]["resourceVersion"]
+        items = {key(item): item for item in listed["items"]}
+        for name, obj in list(self.current.items()):
+            if name not in items:
+                self._apply("DELETED", obj)
+        for name, item in items.items():
+            old = self.current.get(name)
+            if (
+                old is None
+                or old["metadata"]["resourceVersion"] != item["metadata"]["resourceVersion"]
+            ):
+                self._apply("ADDED" if old is None else "MODIFIED", item)
+        return str(listed["metadata"]["resourceVersion"])
+
+    async def _relisted(self) -> str | None:
+        try:
+            return await self._list()
+        except RuntimeError:
+            return None  # an error status while the API server starts
+
+    def _follow(self, version: str, token: trio.lowlevel.TrioToken) -> None:
         separator = "&" if "?" in self.path else "?"
         watch = f"{self.path}{separator}watch=1&resourceVersion={version}"
         watch += f"&timeoutSeconds={WATCH_SECONDS}"
-        token = trio.lowlevel.current_trio_token()
-
-        def follow() -> None:
-            with self.api.stream(watch) as answer:
-                for line in answer:
-                    event = json.loads(line)
-                    if event["type"] == "ERROR":
-                        raise RuntimeError(f"watch {self.path}: {event['object']}")
-                    trio.from_thread.run_sync(self._apply, event["type"], event["object"],
-                                              trio_token=token)  # fmt: skip
-
-        task_status.started()
-        # Abandoned when cancelled: the thread ends with the process.
-        await trio.to_thread.run_sync(follow, abandon_on_cancel=True)
+        with self.api.stream(watch) as answer:
+            for line in answer:
+                event = json.loads(line)
+                if event["type"] == "ERROR":
+                    raise Expired(f"watch {self.path}: {event['object']}")
+                trio.from_thread.run_sync(self._apply, event["type"], event["object"],
+                                          trio_token=token)  # fmt: skip
 
     async def until(self, what: str, found: Callable[[], T | None], within: float) -> T:
         """Wait until `found()` (asked after each change) is not None; that. AssertionError
