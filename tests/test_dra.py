@@ -73,7 +73,10 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
         (registration,) = dra.kubelet.registrations
         # Kubelet's view: a DRA plugin of this driver, v1 first, its DRA socket already served.
         assert registration.driver == DRIVER
-        assert registration.supported == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+        assert registration.supported == (
+            "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth",
+        )  # fmt: skip
         assert registration.service == "v1.DRAPlugin"
         assert registration.endpoint_served
         assert Path(registration.endpoint).parent == dra.state

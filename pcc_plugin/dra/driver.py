@@ -1,5 +1,5 @@
 """The DRA mode on the shared skeleton (generations.py): its sockets for kubelet, its
-ResourceSlices, its claims.
+ResourceSlices, its claims, its devices' health (health.py).
 
 A generation serves the DRA socket, then the registration socket (dra/sockets.py names
 them). Either socket gone (deleted by hand, its directory removed): both are served again.
@@ -21,6 +21,7 @@ from pcc_plugin import grpc_server
 from pcc_plugin.dra import kube, slices
 from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.dra.claims import Preparer
+from pcc_plugin.dra.health import HealthFeed, HealthService
 from pcc_plugin.dra.service import DraService, RegistrationService
 from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import Flags
@@ -48,9 +49,11 @@ class DraMode:
         self.directory = Path(config.kubelet_registry_path)
         # Set, and replaced, at each change of the devices: what the slices' publisher waits on.
         self._changed = trio.Event()
+        self.health = HealthFeed(config.node_name)
         self.inventory = Inventory(spec, config.host_root, state, self._devices_changed)
 
     def _devices_changed(self, devices: tuple[Device, ...]) -> None:
+        self.health.update(devices)
         self._changed.set()
         self._changed = trio.Event()
 
@@ -92,9 +95,9 @@ class DraMode:
             config.driver_name, str(dra_path), self.state, generation.cause
         )
         sockets: list[tuple[Path, Identity]] = []
+        kubelets = {**DraService(self.preparer).methods(), **HealthService(self.health).methods()}
         for server, path in (
-            (grpc_server.Server(DraService(self.preparer).methods(), report, idle_client=True),
-             dra_path),
+            (grpc_server.Server(kubelets, report, idle_client=True), dra_path),
             (grpc_server.Server(registration.methods(), report), registration_path),
         ):  # fmt: skip
             listener, own = grpc_server.bind(path)
