@@ -10,19 +10,32 @@ the taint and the DeviceClass selector of docs/dra.md) is `nox -s cluster`'s che
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
 import grpc
+import httpx
 import pytest
 import trio
 import trio.testing
 from daemon_support import log_line
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
+from lightkube.core.exceptions import ApiError
 
+from pcc_plugin import flags
 from pcc_plugin._proto import v1 as health_api
-from pcc_plugin.dra import health
+from pcc_plugin.dra import health, slices, taints
+from pcc_plugin.flags import PROG
 from pcc_plugin.resource import Device, pcc_resource, take_inventory
-from pcc_plugin.sim import StartDaemon, run_blocking
+from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
 from pcc_plugin.sim.dra import SimDraKubelet
+from pcc_plugin.state import ResourceState
 
+KEY = f"{DRIVER}/unhealthy"
 PCC_DIR_GONE = "detect socket path {root}/var/run/pcc failed: No such file or directory"
 SPEC = pcc_resource("tke.cloud.tencent.com/pcc-device", 16, "/dev/sev-guest", "/var/run/pcc")
 
@@ -36,6 +49,14 @@ async def every_device(kubelet: SimDraKubelet, health_now: str, message: str = "
         )
 
     await run_blocking(kubelet.wait_for, done, WAIT)
+
+
+def taints_of(dra: DraNode) -> dict[str, list[dict[str, Any]]]:
+    return {
+        device["name"]: device.get("taints", [])
+        for obj in dra.slices()
+        for device in obj["spec"]["devices"]
+    }
 
 
 # B: the health stream
@@ -150,3 +171,212 @@ async def test_a_malformed_health_request_is_invalid_argument(
             assert "NodeWatchResourcesRequest" in details
         await every_device(dra.kubelet, "HEALTHY")
         assert "Traceback" not in daemon.log_text()
+
+
+# C: taints where the API server serves them, else withdrawal
+
+
+async def test_an_unhealthy_device_stays_listed_with_a_taint_that_says_why(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(40):
+        daemon = start_daemon(*dra.daemon_args())
+        await log_line(
+            daemon,
+            f"Unhealthy devices will be tainted {KEY}=<cause>:NoSchedule: the API server "
+            "serves device taints",
+        )
+        await published(dra, SHARES, generation=1)
+        assert taints_of(dra) == {key: [] for key in SHARES}
+        dra.node.pcc_dir.rmdir()
+        await published(dra, SHARES, generation=2)
+        tainted = taints_of(dra)
+        (taint,) = tainted["pcc-3"]
+        assert {key: taint[key] for key in ("key", "value", "effect")} == {
+            "key": KEY, "value": "var-run-pcc-missing", "effect": "NoSchedule"
+        }  # fmt: skip
+        assert tainted == {key: [taint] for key in SHARES}
+        # A claim allocated before cannot be prepared on it; kubelet is told why.
+        dra.claim("late", "uid-late")
+        answer = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "late", "uid-late")])
+        assert answer.claims["uid-late"].error.startswith("device pcc-3 is unhealthy: detect ")
+        # Written again (kubelet's start deletes the slices): the taint keeps its time, from
+        # which eviction and tolerationSeconds count.
+        await run_blocking(dra.kubelet.restart)
+        await published(dra, SHARES, generation=3)
+        assert taints_of(dra) == tainted
+        dra.node.pcc_dir.mkdir()
+        await published(dra, SHARES, generation=4)
+        assert taints_of(dra) == {key: [] for key in SHARES}
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_no_execute_taints_where_the_operator_wants_the_pods_evicted(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    with trio.fail_after(30):
+        start_daemon(*dra.daemon_args(), "--unhealthy-taint-effect=NoExecute")
+        await published(dra, SHARES, generation=1)
+        dra.node.device.unlink()
+        await published(dra, SHARES, generation=2)
+        (taint,) = taints_of(dra)["pcc-0"]
+        assert (taint["value"], taint["effect"]) == ("dev-sev-guest-missing", "NoExecute")
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute"])
+async def test_without_device_taints_unhealthy_devices_are_withdrawn_and_it_is_said(
+    dra_node: DraNode, start_daemon: StartDaemon, effect: str
+) -> None:
+    """An API server without DRADeviceTaints drops the field: the driver sees it dropped
+    from its dry run at start, and withdraws (test_dra.py follows the withdrawal)."""
+    dra = dra_node
+    dra.api.serves_taints = False
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args(), f"--unhealthy-taint-effect={effect}")
+        await log_line(
+            daemon,
+            "Unhealthy devices will be withdrawn from the ResourceSlices: the API server dropped "
+            "a device taint it was sent (DRADeviceTaints is off)",
+        )
+        await published(dra, SHARES, generation=1)
+        warned = f"--unhealthy-taint-effect={effect} cannot be honoured without device taints"
+        assert (warned in daemon.log_text()) == (effect == "NoExecute")
+        # The dry run left nothing behind.
+        assert [obj["metadata"]["name"] for obj in dra.slices()] == [f"{NODE}-{DRIVER}-0"]
+
+
+class ProbedApi:
+    """The API server as `taints.choose` sees it: unreachable `down` times, then it answers
+    with `answer` (a slice, or a status code to refuse with)."""
+
+    def __init__(self, down: int, answer: int | None) -> None:
+        self.down = down
+        self.answer = answer
+        self.asked = 0
+
+    async def create_slice(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        assert dry_run
+        self.asked += 1
+        if self.asked <= self.down:
+            raise httpx.ConnectError("connection refused")
+        if self.answer is not None:
+            status = {"code": self.answer, "reason": "Forbidden", "message": "a policy of yours"}
+            raise ApiError(status=status)
+        return obj
+
+
+async def test_choosing_waits_for_the_api_server_and_a_refusal_means_withdrawal(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pcc_plugin.dra.taints")
+    state = ResourceState("x", needs_stream=False, registered=True)
+    reachable: Any = ProbedApi(down=5, answer=None)
+    unhealthy = taints.Unhealthy(DRIVER)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(taints.choose, reachable, unhealthy, NODE, state)
+        await trio.sleep(1)
+        # Not ready while it cannot ask: the slices wait for the answer.
+        assert "asking whether the API server serves device taints failed: connection " in str(
+            state.not_ready_reason()
+        )
+    assert unhealthy.tainting
+    assert reachable.asked == 6
+    refusing: Any = ProbedApi(down=0, answer=403)
+    unhealthy = taints.Unhealthy(DRIVER)
+    with trio.fail_after(1):
+        await taints.choose(refusing, unhealthy, NODE, state)
+    assert not unhealthy.tainting
+    assert (
+        "Unhealthy devices will be withdrawn from the ResourceSlices: a dry-run ResourceSlice "
+        "with a taint was refused: 403 Forbidden: a policy of yours"
+    ) in caplog.text
+
+
+def test_a_taint_keeps_its_time_while_its_cause_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter(["2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"])
+    monkeypatch.setattr(taints, "_now", lambda: next(clock))
+    unhealthy = taints.Unhealthy(DRIVER, "NoSchedule", tainting=True)
+    gone = Device("pcc-0", "pcc", (), "gone", "dev-sev-guest-missing")
+    unhealthy.seen((gone,))
+    unhealthy.seen((gone,))
+    assert unhealthy.taints(gone)[0]["timeAdded"] == "2026-01-01T00:00:00Z"
+    other = Device("pcc-0", "pcc", (), "not a directory", "var-run-pcc-not-a-directory")
+    unhealthy.seen((other,))
+    assert unhealthy.taints(other) == [{
+        "key": KEY, "value": "var-run-pcc-not-a-directory", "effect": "NoSchedule",
+        "timeAdded": "2026-01-01T00:02:00Z",
+    }]  # fmt: skip
+
+
+def test_tainting_slices_hold_64_devices_whatever_their_health() -> None:
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 130, "/dev/sev-guest", "/var/run/pcc")
+    pool = slices.Pool(DRIVER, NODE, "node-uid")
+    unhealthy = taints.Unhealthy(DRIVER, tainting=True)
+    for problem in (None, "gone"):
+        devices = tuple(Device(f"pcc-{i}", "pcc", (), problem, problem) for i in range(130))
+        unhealthy.seen(devices)
+        wanted = slices.desired(pool, spec, devices, unhealthy)
+        assert [len(obj["spec"]["devices"]) for obj in wanted] == [64, 64, 2]
+        assert all(bool(d.get("taints")) == bool(problem) for d in wanted[0]["spec"]["devices"])
+
+
+@pytest.mark.parametrize(
+    ("make", "cause"),
+    [
+        (lambda node: node.device.unlink(), "dev-sev-guest-missing"),
+        (
+            lambda node: (node.device.unlink(), node.device.mkdir()),
+            "dev-sev-guest-not-a-char-device",
+        ),
+        (lambda node: (node.pcc_dir.rmdir(), node.pcc_dir.touch()), "var-run-pcc-not-a-directory"),
+    ],
+    ids=["device missing", "device a directory", "pcc dir a file"],
+)
+def test_a_problems_cause_names_the_path_and_what_is_wrong(
+    fake_node: FakeNode, make: Any, cause: str
+) -> None:
+    make(fake_node)
+    (device, *_) = take_inventory(SPEC, str(fake_node.host_root), {})
+    assert device.cause == cause
+
+
+def test_a_long_paths_cause_is_a_label_value_that_keeps_its_end(tmp_path: Path) -> None:
+    deep = "/" + "/".join(["d" * 20] * 6) + "/sev-guest"
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 1, deep, "/var/run/pcc")
+    (device,) = take_inventory(spec, str(tmp_path), {})
+    assert device.cause is not None
+    assert len(device.cause) <= 63
+    assert device.cause.endswith("dddd-sev-guest-missing")
+    assert re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", device.cause)
+
+
+def test_an_unreadable_path_is_not_permitted() -> None:
+    assert cause_when_stat_fails(errno.EACCES) == "dev-sev-guest-not-permitted"
+    assert cause_when_stat_fails(errno.EIO) == "dev-sev-guest-unreadable"
+
+
+def cause_when_stat_fails(code: int) -> str | None:
+    real_stat = os.stat
+
+    def failing(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("sev-guest"):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_stat(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "stat", failing)
+        (device, *_) = take_inventory(SPEC, "/", {})
+    return device.cause
+
+
+def test_the_taint_effect_is_one_that_keeps_claims_off(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        flags.parse(["--unhealthy-taint-effect=None"], PROG, "", "")
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "pcc-device-plugin: --unhealthy-taint-effect: must be NoSchedule or NoExecute, got "
+        "'None' (see --help)"
+    )

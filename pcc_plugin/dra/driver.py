@@ -1,10 +1,12 @@
 """The DRA mode on the shared skeleton (generations.py): its sockets for kubelet, its
-ResourceSlices, its claims, its devices' health (health.py).
+ResourceSlices, its claims, and what it says of its devices.
 
 A generation serves the DRA socket, then the registration socket (dra/sockets.py names
 them). Either socket gone (deleted by hand, its directory removed): both are served again.
 Kubelet restarting needs nothing of the sockets (it registers the ones it finds), but it
-deletes the node's slices, which `slices.publish` writes again.
+deletes the node's slices, which `slices.publish` writes again. Each change of the devices
+goes to kubelet's health stream (health.py) and to how unhealthy devices show in the slices
+(taints.py, chosen once at start), then to the slices.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import trio
 from asyncinotify import Inotify, Mask
 
 from pcc_plugin import grpc_server
-from pcc_plugin.dra import kube, slices
+from pcc_plugin.dra import kube, slices, taints
 from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.dra.claims import Preparer
 from pcc_plugin.dra.health import HealthFeed, HealthService
@@ -50,10 +52,12 @@ class DraMode:
         # Set, and replaced, at each change of the devices: what the slices' publisher waits on.
         self._changed = trio.Event()
         self.health = HealthFeed(config.node_name)
+        self.unhealthy = taints.Unhealthy(config.driver_name, config.unhealthy_taint_effect)
         self.inventory = Inventory(spec, config.host_root, state, self._devices_changed)
 
     def _devices_changed(self, devices: tuple[Device, ...]) -> None:
         self.health.update(devices)
+        self.unhealthy.seen(devices)
         self._changed.set()
         self._changed = trio.Event()
 
@@ -67,19 +71,25 @@ class DraMode:
         )  # fmt: skip
 
         def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
-            return slices.desired(pool, inventory.spec, inventory.devices)
+            return slices.desired(pool, inventory.spec, inventory.devices, self.unhealthy)
 
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)
-                nursery.start_soon(
-                    slices.publish, api, config.driver_name, config.node_name, wanted,
-                    lambda: self._changed, self.state,
-                )  # fmt: skip
+                nursery.start_soon(self._publish, api, wanted)
                 nursery.start_soon(serve_generations, self, bug_backoff)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
                 await api.close()
+
+    async def _publish(
+        self, api: kube.Api, wanted: Callable[[slices.Pool], list[dict[str, Any]]]
+    ) -> None:
+        """Choose how unhealthy devices show (taints.py), then keep the slices published."""
+        config = self.config
+        await taints.choose(api, self.unhealthy, config.node_name, self.state)
+        await slices.publish(api, config.driver_name, config.node_name, wanted,
+                             lambda: self._changed, self.state)  # fmt: skip
 
     async def serve_generation(self, generation: Generation) -> None:
         """Serve the DRA socket, then the registration socket, and watch both (each is removed
