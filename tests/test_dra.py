@@ -97,6 +97,8 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
                 "share": {"int": 3},
                 "hostPath": {"string": "/dev/sev-guest"},
                 "mountPath": {"string": "/var/run/pcc"},
+                "teeType": {"string": "sev-snp"},
+                "tsmReport": {"bool": True},
             },
         }
 

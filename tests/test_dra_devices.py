@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,14 @@ from lightkube.core.exceptions import ApiError
 
 from pcc_plugin import flags
 from pcc_plugin._proto import v1 as health_api
-from pcc_plugin.dra import health, slices, taints
+from pcc_plugin.dra import health, node_facts, slices, taints
 from pcc_plugin.flags import PROG
 from pcc_plugin.resource import Device, pcc_resource, take_inventory
 from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
 from pcc_plugin.sim.dra import SimDraKubelet
 from pcc_plugin.state import ResourceState
 
+ROOT = Path(__file__).resolve().parent.parent
 KEY = f"{DRIVER}/unhealthy"
 PCC_DIR_GONE = "detect socket path {root}/var/run/pcc failed: No such file or directory"
 SPEC = pcc_resource("tke.cloud.tencent.com/pcc-device", 16, "/dev/sev-guest", "/var/run/pcc")
@@ -380,3 +382,63 @@ def test_the_taint_effect_is_one_that_keeps_claims_off(capsys: pytest.CaptureFix
         "pcc-device-plugin: --unhealthy-taint-effect: must be NoSchedule or NoExecute, got "
         "'None' (see --help)"
     )
+
+
+# D: the node's confidential-computing attributes
+
+
+def test_node_facts_are_read_from_the_hosts_sysfs_under_the_host_root(tmp_path: Path) -> None:
+    node = FakeNode.create()
+    try:
+        root = str(node.host_root)
+        assert node_facts.read(root) == node_facts.NodeFacts("sev-snp", True)
+        shutil.rmtree(node.host_root / "sys" / "kernel")
+        os.rmdir(node.host_root / "sys" / "bus" / "platform" / "devices" / "sev-guest")
+        assert node_facts.read(root) == node_facts.NodeFacts(None, False)
+        assert node_facts.read(root).attributes() == {"tsmReport": {"bool": False}}
+        shutil.rmtree(node.host_root / "sys")
+        assert node_facts.read(root).attributes() == {}
+        assert node_facts.sysfs_missing(root) == f"{root}/sys"
+    finally:
+        node.remove()
+
+
+async def test_the_node_attributes_follow_the_node_read_again_as_the_device_changes(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    report = dra.node.host_root / "sys" / "kernel" / "config" / "tsm" / "report"
+    report.rmdir()
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await published(dra, SHARES, generation=1)
+        attributes = dra.slices()[0]["spec"]["devices"][0]["attributes"]
+        assert (attributes["teeType"], attributes["tsmReport"]) == (
+            {"string": "sev-snp"}, {"bool": False}
+        )  # fmt: skip
+        # Loading sev-guest brings the device and the TSM provider at once.
+        dra.node.device.unlink()
+        await published(dra, SHARES, generation=2)
+        report.mkdir()
+        os.symlink("/dev/null", dra.node.device)
+        await published(dra, SHARES, generation=3)
+        attributes = dra.slices()[0]["spec"]["devices"][0]["attributes"]
+        assert attributes["tsmReport"] == {"bool": True}
+        await log_line(daemon, "Node attributes: teeType sev-snp, tsmReport true")
+
+
+async def test_without_the_hosts_sysfs_the_node_attributes_are_left_out_and_it_is_said(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    dra = dra_node
+    shutil.rmtree(dra.node.host_root / "sys")
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await published(dra, SHARES)
+        attributes = dra.slices()[0]["spec"]["devices"][0]["attributes"]
+        assert not {"teeType", "tsmReport"} & set(attributes)
+        await log_line(
+            daemon,
+            f"{dra.node.host_root}/sys does not exist: the devices get no attributes teeType and "
+            "tsmReport; mount the host's /sys there, read-only (manifests/overlays/dra does)",
+        )

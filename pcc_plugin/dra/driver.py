@@ -5,8 +5,9 @@ A generation serves the DRA socket, then the registration socket (dra/sockets.py
 them). Either socket gone (deleted by hand, its directory removed): both are served again.
 Kubelet restarting needs nothing of the sockets (it registers the ones it finds), but it
 deletes the node's slices, which `slices.publish` writes again. Each change of the devices
-goes to kubelet's health stream (health.py) and to how unhealthy devices show in the slices
-(taints.py, chosen once at start), then to the slices.
+goes to kubelet's health stream (health.py), to how unhealthy devices show in the slices
+(taints.py, chosen once at start) and to the node's attributes (node_facts.py), then to the
+slices.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import trio
 from asyncinotify import Inotify, Mask
 
 from pcc_plugin import grpc_server
-from pcc_plugin.dra import kube, slices, taints
+from pcc_plugin.dra import kube, node_facts, slices, taints
 from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.dra.claims import Preparer
 from pcc_plugin.dra.health import HealthFeed, HealthService
@@ -53,11 +54,16 @@ class DraMode:
         self._changed = trio.Event()
         self.health = HealthFeed(config.node_name)
         self.unhealthy = taints.Unhealthy(config.driver_name, config.unhealthy_taint_effect)
+        self.node = node_facts.NodeFacts()
         self.inventory = Inventory(spec, config.host_root, state, self._devices_changed)
 
     def _devices_changed(self, devices: tuple[Device, ...]) -> None:
         self.health.update(devices)
         self.unhealthy.seen(devices)
+        facts = node_facts.read(self.config.host_root)
+        if facts != self.node:
+            log.info("Node attributes: %s", facts.describe())
+            self.node = facts
         self._changed.set()
         self._changed = trio.Event()
 
@@ -71,8 +77,16 @@ class DraMode:
         )  # fmt: skip
 
         def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
-            return slices.desired(pool, inventory.spec, inventory.devices, self.unhealthy)
+            return slices.desired(pool, inventory.spec, inventory.devices, self.unhealthy,
+                                  self.node)  # fmt: skip
 
+        sysfs = node_facts.sysfs_missing(config.host_root)
+        if sysfs:
+            log.warning(
+                "%s does not exist: the devices get no attributes teeType and tsmReport; mount "
+                "the host's /sys there, read-only (manifests/overlays/dra does)",
+                sysfs,
+            )
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)

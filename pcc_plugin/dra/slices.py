@@ -1,8 +1,8 @@
 """The node's ResourceSlices: what they say (`desired`), and keeping them so (`publish`).
 
 One pool, named after the node, lists the shares as devices (`pcc-0` ... by default),
-`MAX_DEVICES_PER_SLICE` to a slice, each with the attributes claims select on. A device that
-is gone, or whose PCC
+`MAX_DEVICES_PER_SLICE` to a slice, each with the attributes claims select on (the resource's,
+and the node's confidential computing, node_facts.py). A device that is gone, or whose PCC
 directory is, stays listed with a taint where the API server serves taints, and is withdrawn
 from the pool where it does not (taints.py says which and why); every change bumps the pool's
 generation in each of its slices.
@@ -25,6 +25,7 @@ import attrs
 import trio
 
 from pcc_plugin.dra.kube import Api, RequestFailed, describe_error, status_code
+from pcc_plugin.dra.node_facts import NodeFacts
 from pcc_plugin.dra.taints import MAX_TAINTED_DEVICES_PER_SLICE, Unhealthy
 from pcc_plugin.generations import Backoff, Outage
 from pcc_plugin.klog import V1
@@ -83,18 +84,20 @@ def desired(
     spec: ResourceSpec,
     devices: tuple[Device, ...],
     unhealthy: Unhealthy | None = None,
+    node: NodeFacts | None = None,
 ) -> list[dict[str, Any]]:
     """The slices that say what the node has now (generation left to `publish`): unhealthy
-    devices withdrawn, or tainted as `unhealthy` says.
+    devices withdrawn, or tainted as `unhealthy` says; the node's facts in every device.
 
     At least one slice, empty when every device is withdrawn: the pool stays visible. While
     tainting, a slice holds fewer devices whatever their health, so that none moves to
     another slice as its health changes.
     """
     unhealthy = unhealthy or Unhealthy(pool.driver)
+    shared = node.attributes() if node else {}
     listed = []
     for device in filter(unhealthy.listed, devices):
-        entry: dict[str, Any] = {"name": device.id, "attributes": attributes(spec, device)}
+        entry: dict[str, Any] = {"name": device.id, "attributes": attributes(spec, device) | shared}
         if taints := unhealthy.taints(device):
             entry["taints"] = taints
         listed.append(entry)
