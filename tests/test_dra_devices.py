@@ -11,6 +11,7 @@ the taint and the DeviceClass selector of docs/dra.md) is `nox -s cluster`'s che
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
+import yaml
 from daemon_support import log_line
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
 from lightkube.core.exceptions import ApiError
@@ -442,3 +444,41 @@ async def test_without_the_hosts_sysfs_the_node_attributes_are_left_out_and_it_i
             f"{dra.node.host_root}/sys does not exist: the devices get no attributes teeType and "
             "tsmReport; mount the host's /sys there, read-only (manifests/overlays/dra does)",
         )
+
+
+def docs_device_class() -> dict[str, Any]:
+    """The DeviceClass of docs/dra.md's "Selecting by what the node is" (the cluster check
+    applies the same block)."""
+    text = (ROOT / "docs" / "dra.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    classes = [doc for doc in map(yaml.safe_load, blocks) if doc.get("kind") == "DeviceClass"]
+    (device_class,) = classes
+    return dict(device_class)
+
+
+def test_the_docs_device_class_selects_on_what_the_driver_publishes() -> None:
+    device_class = docs_device_class()
+    (selector,) = device_class["spec"]["selectors"]
+    expression = selector["cel"]["expression"]
+    named = set(re.findall(rf'device\.attributes\["{re.escape(DRIVER)}"\]\.(\w+)', expression))
+    assert named == {"teeType", "tsmReport"}
+    published_names = set(node_facts.NodeFacts("sev-snp", True).attributes())
+    assert named <= published_names
+    assert f'device.driver == "{DRIVER}"' in expression
+    assert json.dumps(device_class)  # plain data, as kubectl takes it
+
+
+def test_docs_quote_what_the_driver_says_of_its_devices() -> None:
+    source = "\n".join(path.read_text() for path in sorted((ROOT / "pcc_plugin").glob("**/*.py")))
+    text = (ROOT / "docs" / "dra.md").read_text()
+    for words in (
+        "Kubelet watches the devices' health (",
+        "Unhealthy devices will be ",
+        "the API server serves device taints",
+        "the API server dropped a device taint it was sent (DRADeviceTaints is off)",
+        "Node attributes: ",
+        " does not exist: the devices get no attributes teeType and tsmReport; ",
+        "--unhealthy-taint-effect",
+    ):
+        assert words in source, f"the driver no longer says {words!r}"
+        assert words in text, f"docs/dra.md does not quote {words!r}"
