@@ -284,7 +284,7 @@ def take_inventory(
     shared = shared_problem(spec, host_root)
     if not spec.glob_nodes:
         return tuple(
-            _device(f"{spec.socket_prefix}-{index}", spec.socket_prefix, spec.fixed_nodes, shared)
+            _share(f"{spec.socket_prefix}-{index}", spec.socket_prefix, spec.fixed_nodes, shared)
             for index in range(spec.count)
         )
     for pattern in spec.glob_nodes:
@@ -299,11 +299,11 @@ def take_inventory(
         problem = shared or _node_problem(node, host_root)
         group = _glob_id(host_path)
         for index in range(spec.count):
-            devices.append(_device(f"{group}-{index}", group, (*spec.fixed_nodes, node), problem))
+            devices.append(_share(f"{group}-{index}", group, (*spec.fixed_nodes, node), problem))
     return tuple(devices)
 
 
-def _device(
+def _share(
     device_id: str, group: str, nodes: tuple[DeviceNode, ...], problem: Problem | None
 ) -> Device:
     if problem is None:

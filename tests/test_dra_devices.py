@@ -393,13 +393,13 @@ def test_node_facts_are_read_from_the_hosts_sysfs_under_the_host_root(tmp_path: 
     node = FakeNode.create()
     try:
         root = str(node.host_root)
-        assert node_facts.read(root) == node_facts.NodeFacts("sev-snp", True)
+        assert node_facts.read_facts(root) == node_facts.NodeFacts("sev-snp", True)
         shutil.rmtree(node.host_root / "sys" / "kernel")
         os.rmdir(node.host_root / "sys" / "bus" / "platform" / "devices" / "sev-guest")
-        assert node_facts.read(root) == node_facts.NodeFacts(None, False)
-        assert node_facts.read(root).attributes() == {"tsmReport": {"bool": False}}
+        assert node_facts.read_facts(root) == node_facts.NodeFacts(None, False)
+        assert node_facts.read_facts(root).attributes() == {"tsmReport": {"bool": False}}
         shutil.rmtree(node.host_root / "sys")
-        assert node_facts.read(root).attributes() == {}
+        assert node_facts.read_facts(root).attributes() == {}
         assert node_facts.sysfs_missing(root) == f"{root}/sys"
     finally:
         node.remove()

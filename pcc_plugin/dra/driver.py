@@ -60,7 +60,7 @@ class DraMode:
     def _devices_changed(self, devices: tuple[Device, ...]) -> None:
         self.health.update(devices)
         self.unhealthy.seen(devices)
-        facts = node_facts.read(self.config.host_root)
+        facts = node_facts.read_facts(self.config.host_root)
         if facts != self.node:
             log.info("Node attributes: %s", facts.describe())
             self.node = facts

@@ -59,7 +59,7 @@ def sysfs_missing(host_root: str) -> str | None:
     return None if os.path.isdir(sysfs) else sysfs
 
 
-def read(host_root: str) -> NodeFacts:
+def read_facts(host_root: str) -> NodeFacts:
     if sysfs_missing(host_root):
         return NodeFacts()
     snp = os.path.lexists(seen_from_here(host_root, SEV_SNP_GUEST))
