@@ -91,6 +91,7 @@ class HealthService:
 
     def __init__(self, feed: HealthFeed) -> None:
         self._feed = feed
+        self._said = False
 
     def methods(self) -> dict[str, MethodSpec]:
         return {path: MethodSpec(stream=self.watch) for path in PATHS}
@@ -98,9 +99,12 @@ class HealthService:
     async def watch(self, call: Call) -> None:
         wire.check_request(await call.receive(), wire.EMPTY, "NodeWatchResourcesRequest")
         service = call.path.strip("/").partition("/")[0]
-        # Said once per kubelet (it opens one at each registration): it tells the operator
-        # that kubelet puts the devices' health into the pods' status.
-        log.info("Kubelet watches the devices' health (%s)", service)
+        # Said once per generation (kubelet opens one stream as it registers the driver): it
+        # tells the operator that kubelet puts the devices' health into the pods' status. Any
+        # more come from elsewhere, and must not flood the log.
+        log.log(V1 if self._said else logging.INFO, "Kubelet watches the devices' health (%s)",
+                service)  # fmt: skip
+        self._said = True
 
         async def send(payload: bytes) -> None:
             await call_asyncio(call.send, payload)
