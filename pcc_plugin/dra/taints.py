@@ -81,7 +81,7 @@ class Unhealthy:
     def taints(self, device: Device) -> list[dict[str, str]]:
         if device.healthy or not self.tainting:
             return []
-        cause, since = self._since.get(device.id) or (device.cause or KEY_NAME, _now())
+        cause, since = self._since[device.id]
         return [{"key": self.key, "value": cause, "effect": self.effect, "timeAdded": since}]
 
     def describe(self) -> str:
