@@ -133,7 +133,6 @@ class SimDraKubelet:
         # Each device's last health report, by (driver, pool, device); each health stream's
         # history by DRA socket ("open", or why it ended); the watchers by DRA socket.
         self._health: dict[tuple[str, str, str], DeviceHealthReport] = {}
-        self.health_reports = 0
         self.health_streams: dict[str, list[str]] = {}
         self._watchers: dict[str, HealthWatcher] = {}
         self._thread: threading.Thread | None = None
@@ -210,7 +209,6 @@ class SimDraKubelet:
     def _health_reported(self, driver: str, response: Any, pb: Any) -> None:
         now = time.monotonic()
         with self._changed:
-            self.health_reports += 1
             for device in response.devices:
                 timeout = device.health_check_timeout_seconds or DEFAULT_HEALTH_TIMEOUT
                 key = (driver, device.device.pool_name, device.device.device_name)
