@@ -39,6 +39,9 @@ DEFAULT_DRIVER_NAME = "pcc.tke.cloud.tencent.com"
 # Room for `<driver>-<token>-reg.sock` in a unix socket path (107 bytes; dra.sockets
 # shortens the token when a path would be longer).
 MAX_KUBELET_DIR_BYTES = 48
+# A DRA device taint's effects that keep new claims off a device (the first) and evict the pods
+# using it too (the second); `None` would leave it allocatable.
+TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 
 
 # A Kubernetes label value that is not empty: the manifests pass one.
@@ -131,6 +134,9 @@ def _is_bind_address(value: str) -> bool:
 _host_root = _unless("must be empty or an absolute path, got {value!r}", lambda v: v[:1] in "/")
 _bind_address = _unless("must be host:port, :port or empty, got {value!r}", _is_bind_address)
 _mode = _unless(f"must be {' or '.join(MODES)}, got {{value!r}}", lambda v: v in ("", *MODES))
+_taint_effect = _unless(
+    f"must be {' or '.join(TAINT_EFFECTS)}, got {{value!r}}", lambda v: v in TAINT_EFFECTS
+)
 _pod_uid = _unless(
     "must be a pod UID (lowercase hex and '-'), got {value!r}",
     lambda v: not v or re.fullmatch(r"[0-9a-f][0-9a-f-]{0,62}", v),
@@ -255,6 +261,13 @@ class Flags:
         "with --mode=dra: this pod's UID (the manifests pass metadata.uid), which makes this "
         "instance's socket names its own during a rolling update; without it, a random token",
         metavar="UID", check=_pod_uid,
+    )  # fmt: skip
+    unhealthy_taint_effect: str = _flag(
+        "--unhealthy-taint-effect", TAINT_EFFECTS[0],
+        "with --mode=dra, where the API server serves device taints: the effect of the taint "
+        "an unhealthy device gets, NoSchedule (no new claim gets it) or NoExecute (the pods "
+        "using it are evicted too); without taints it is withdrawn from the ResourceSlices",
+        metavar="EFFECT", check=_taint_effect,
     )  # fmt: skip
     verbosity: int = _flag(
         "--v", 0,

@@ -8,6 +8,7 @@ container allocated some of them gets a `Grant`.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import re
@@ -152,35 +153,79 @@ def watched_paths(spec: ResourceSpec, host_root: str) -> list[str]:
     return [seen_from_here(host_root, path) for path in spec.host_paths()]
 
 
-def _device_problem(path: str, device_type: DeviceType) -> str | None:
+@attrs.frozen
+class Problem:
+    """Why a device cannot be used: in the words operators search for (`text`), and as a
+    Kubernetes label value (`cause`, e.g. `dev-sev-guest-missing`), which a DRA device taint
+    carries."""
+
+    text: str
+    cause: str
+
+
+_MAX_LABEL_VALUE = 63
+
+
+def _cause(host_path: str, condition: str) -> str:
+    """`<host path>-<condition>` as a label value; a long path keeps its end."""
+    what = re.sub(r"[^A-Za-z0-9_.]+", "-", host_path).strip("-_.")
+    what = what[len(what) - (_MAX_LABEL_VALUE - len(condition) - 1) :].lstrip("-_.")
+    return f"{what}-{condition}" if what else condition
+
+
+def _stat_condition(error: OSError) -> str:
+    if error.errno in (errno.ENOENT, errno.ENOTDIR):
+        return "missing"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "not-permitted"
+    return "unreadable"
+
+
+def _device_problem(path: str, device_type: DeviceType, host_path: str) -> Problem | None:
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
-        return f"detect device {path} failed: {exc.strerror}"
+        return Problem(
+            f"detect device {path} failed: {exc.strerror}", _cause(host_path, _stat_condition(exc))
+        )
     if not _DEVICE_TEST[device_type](mode):
-        return f"detect device {path} failed: not {DEVICE_WORDS[device_type]}"
+        return Problem(
+            f"detect device {path} failed: not {DEVICE_WORDS[device_type]}",
+            _cause(host_path, f"not-a-{device_type}-device"),
+        )
     return None
 
 
-def _mount_problem(mount: HostMount, host_root: str) -> str | None:
+def _mount_problem(mount: HostMount, host_root: str) -> Problem | None:
     path = seen_from_here(host_root, mount.host_path)
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
-        return f"detect {mount.label} {path} failed: {exc.strerror}"
+        return Problem(
+            f"detect {mount.label} {path} failed: {exc.strerror}",
+            _cause(mount.host_path, _stat_condition(exc)),
+        )
     if not stat.S_ISDIR(mode):
-        return f"detect {mount.label} {path} failed: not a directory"
+        return Problem(
+            f"detect {mount.label} {path} failed: not a directory",
+            _cause(mount.host_path, "not-a-directory"),
+        )
     return None
 
 
-def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
-    """Why the node cannot serve any of `spec` now, in the words operators search for.
+def _node_problem(node: DeviceNode, host_root: str) -> Problem | None:
+    return _device_problem(seen_from_here(host_root, node.host_path), node.device_type,
+                           node.host_path)  # fmt: skip
+
+
+def shared_problem(spec: ResourceSpec, host_root: str) -> Problem | None:
+    """Why the node cannot serve any of `spec` now.
 
     Covers what every device of the resource needs: its fixed device nodes and
     its mount sources. Devices found by a glob are checked one by one.
     """
     for node in spec.fixed_nodes:
-        problem = _device_problem(seen_from_here(host_root, node.host_path), node.device_type)
+        problem = _node_problem(node, host_root)
         if problem:
             return problem
     for mount in spec.mounts:
@@ -190,21 +235,27 @@ def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
     return None
 
 
+def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
+    """Why the node cannot serve any of `spec` now, in the words operators search for."""
+    problem = shared_problem(spec, host_root)
+    return problem.text if problem else None
+
+
 def pcc_start_problem(spec: ResourceSpec, host_root: str) -> str | None:
     """Why the PCC profile cannot start on this node, and what to check there: the daemon's
     fatal line (without --config it does not start until both are in place)."""
     (device,) = spec.device_nodes
     (pcc_dir,) = spec.mounts
-    problem = _device_problem(seen_from_here(host_root, device.host_path), device.device_type)
+    problem = _node_problem(device, host_root)
     if problem:
         return (
-            f"{problem}; check {device.host_path} on the node: {LOAD_SEV_GUEST}; "
+            f"{problem.text}; check {device.host_path} on the node: {LOAD_SEV_GUEST}; "
             f"{NOT_AN_SEV_SNP_NODE}; {ELSEWHERE_DEVICE}"
         )
     problem = _mount_problem(pcc_dir, host_root)
     if problem:
         return (
-            f"{problem}; check {pcc_dir.host_path} on the node: {START_PCC_SERVICE}; "
+            f"{problem.text}; check {pcc_dir.host_path} on the node: {START_PCC_SERVICE}; "
             f"{ELSEWHERE_DIR}"
         )
     return None
@@ -219,6 +270,8 @@ class Device:
     group: str
     nodes: tuple[DeviceNode, ...]
     problem: str | None
+    # The problem as a label value (Problem.cause), when there is one.
+    cause: str | None = None
 
     @property
     def healthy(self) -> bool:
@@ -239,33 +292,34 @@ def take_inventory(
     Without globs: `count` shares of the fixed nodes. With globs: `count`
     shares of each matched node, plus the fixed nodes.
     """
-    shared_problem = health_problem(spec, host_root)
+    shared = shared_problem(spec, host_root)
     if not spec.glob_nodes:
         return tuple(
-            Device(
-                f"{spec.socket_prefix}-{index}",
-                spec.socket_prefix,
-                spec.fixed_nodes,
-                shared_problem,
-            )
+            _share(f"{spec.socket_prefix}-{index}", spec.socket_prefix, spec.fixed_nodes, shared)
             for index in range(spec.count)
         )
     for pattern in spec.glob_nodes:
         for match in sorted(glob.glob(seen_from_here(host_root, pattern.host_path))):
             host_path = match.removeprefix(host_root) if host_root else match
-            if _device_problem(match, pattern.device_type) is None:
+            if _device_problem(match, pattern.device_type, host_path) is None:
                 seen.setdefault(
                     host_path, attrs.evolve(pattern, host_path=host_path, container_path=host_path)
                 )
     devices = []
     for host_path, node in sorted(seen.items()):
-        problem = shared_problem or _device_problem(
-            seen_from_here(host_root, host_path), node.device_type
-        )
+        problem = shared or _node_problem(node, host_root)
         group = _glob_id(host_path)
         for index in range(spec.count):
-            devices.append(Device(f"{group}-{index}", group, (*spec.fixed_nodes, node), problem))
+            devices.append(_share(f"{group}-{index}", group, (*spec.fixed_nodes, node), problem))
     return tuple(devices)
+
+
+def _share(
+    device_id: str, group: str, nodes: tuple[DeviceNode, ...], problem: Problem | None
+) -> Device:
+    if problem is None:
+        return Device(device_id, group, nodes, None)
+    return Device(device_id, group, nodes, problem.text, problem.cause)
 
 
 @attrs.frozen

@@ -506,8 +506,8 @@ async def test_in_dra_mode_the_driver_is_checked_instead_of_the_device_plugin(
         assert report.unlike_a_healthy_fake_node == set()
         (instance,) = dra_node.kubelet.instances(DRIVER)
         assert report.lines[DRA_DRIVER].endswith(
-            f"answers for {DRIVER} (v1.DRAPlugin, v1beta1.DRAPlugin); its DRA socket "
-            f"{instance.endpoint} answers"
+            f"answers for {DRIVER} (v1.DRAPlugin, v1beta1.DRAPlugin, v1.DRAResourceHealth, "
+            f"v1alpha1.DRAResourceHealth); its DRA socket {instance.endpoint} answers"
         )
 
         # Killed: its sockets are left behind, and answer nothing.

@@ -73,7 +73,10 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
         (registration,) = dra.kubelet.registrations
         # Kubelet's view: a DRA plugin of this driver, v1 first, its DRA socket already served.
         assert registration.driver == DRIVER
-        assert registration.supported == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+        assert registration.supported == (
+            "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth",
+        )  # fmt: skip
         assert registration.service == "v1.DRAPlugin"
         assert registration.endpoint_served
         assert Path(registration.endpoint).parent == dra.state
@@ -94,6 +97,8 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
                 "share": {"int": 3},
                 "hostPath": {"string": "/dev/sev-guest"},
                 "mountPath": {"string": "/var/run/pcc"},
+                "teeType": {"string": "sev-snp"},
+                "tsmReport": {"bool": True},
             },
         }
 
@@ -227,7 +232,9 @@ async def test_malformed_requests_are_invalid_argument(
 async def test_devices_withdrawn_while_the_pcc_dir_is_gone_and_back_after(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
+    """Where the API server serves no device taints (test_dra_devices.py: where it does)."""
     dra = dra_node
+    dra.api.serves_taints = False
     with trio.fail_after(30):
         start_daemon(*dra.daemon_args())
         await registered(dra)
@@ -380,13 +387,15 @@ async def test_a_rolling_update_and_a_restarted_driver_unprepare_what_was_prepar
 async def test_more_shares_than_a_slice_holds_are_split_across_slices_of_one_pool(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
+    """64 to a slice where the API server serves device taints (a slice that may hold one
+    does); 128 where it does not (test_desired_slices_hold_128_devices_each_in_one_pool)."""
     dra = dra_node
     with trio.fail_after(30):
         start_daemon(*dra.daemon_args(), "--resource-count=300")
         await published(dra, [f"pcc-{index}" for index in range(300)], generation=1)
         pools = [obj["spec"]["pool"] for obj in dra.slices()]
-        assert pools == [{"name": NODE, "generation": 1, "resourceSliceCount": 3}] * 3
-        assert [len(obj["spec"]["devices"]) for obj in dra.slices()] == [128, 128, 44]
+        assert pools == [{"name": NODE, "generation": 1, "resourceSliceCount": 5}] * 5
+        assert [len(obj["spec"]["devices"]) for obj in dra.slices()] == [64, 64, 64, 64, 44]
 
 
 # Units: the slices, the socket names, the flags

@@ -202,9 +202,10 @@ async def test_what_a_user_gets_wrong_is_one_line_naming_the_fix(
                 "unprepare",
                 "there is no ResourceClaim default/nope: prepare it first (claims: default/app)",
             )
-            # The device gone: the driver withdraws every device, and nothing can be allocated.
+            # The device gone: the driver taints every device (the fake API server serves
+            # taints, as 1.37's does), and nothing can be allocated.
             fake_node.pcc_dir.rmdir()
-            await run_blocking(daemon.wait_for_log, "Published 0 devices", 10)
+            await run_blocking(daemon.wait_for_log, "Published 16 devices", 10, count=2)
             refused(
                 await sim("prepare", "--dir", where, "--timeout", "1", "late"),
                 "prepare",

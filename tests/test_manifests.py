@@ -58,6 +58,7 @@ from packaging.version import Version
 
 from pcc_plugin import main
 from pcc_plugin.configuration import read
+from pcc_plugin.dra import node_facts
 from pcc_plugin.flags import DEFAULT_DRIVER_NAME as DRIVER_NAME
 from pcc_plugin.flags import parse
 from pcc_plugin.profiles import load
@@ -693,6 +694,7 @@ DRA_VOLUMES = {
     "plugins-registry": "/var/lib/kubelet/plugins_registry",
     "plugins": "/var/lib/kubelet/plugins",
     CDI_VOLUME: CDI_SPEC_DIR,
+    "host-sys": "/sys",
 }
 DRA_ENV = {"NODE_NAME": "spec.nodeName", "POD_UID": "metadata.uid"}
 DRA_ARGS = ["--mode=dra", "--node-name=$(NODE_NAME)", "--pod-uid=$(POD_UID)"]
@@ -731,6 +733,18 @@ def test_dra_daemonset_is_the_base_with_the_dra_mode(directory: str) -> None:
         for name, path in DRA_ENV.items()
     ]
     assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+
+
+@pytest.mark.parametrize("directory", DRA)
+def test_dra_driver_reads_its_node_attributes_from_the_hosts_sysfs(directory: str) -> None:
+    """configfs (tsm/report) is in the host's /sys only, not in the container's own."""
+    ds = daemonset(directory)
+    host_root = flag(plugin_container(ds), "host-root", "")
+    for path in (node_facts.SEV_SNP_GUEST, node_facts.TSM_REPORT):
+        mount, source = mount_showing(ds, host_root + path)
+        assert source == {"path": node_facts.SYSFS, "type": "Directory"}
+        assert mount["readOnly"] is True
+        assert mount["mountPropagation"] == "HostToContainer"
 
 
 @pytest.mark.parametrize("directory", DRA)

@@ -1,10 +1,13 @@
 """The DRA mode on the shared skeleton (generations.py): its sockets for kubelet, its
-ResourceSlices, its claims.
+ResourceSlices, its claims, and what it says of its devices.
 
 A generation serves the DRA socket, then the registration socket (dra/sockets.py names
 them). Either socket gone (deleted by hand, its directory removed): both are served again.
 Kubelet restarting needs nothing of the sockets (it registers the ones it finds), but it
-deletes the node's slices, which `slices.publish` writes again.
+deletes the node's slices, which `slices.publish` writes again. Each change of the devices
+goes to kubelet's health stream (health.py), to how unhealthy devices show in the slices
+(taints.py, chosen once at start) and to the node's attributes (node_facts.py), then to the
+slices.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import trio
 from asyncinotify import Inotify, Mask
 
 from pcc_plugin import grpc_server
-from pcc_plugin.dra import kube, slices
+from pcc_plugin.dra import kube, node_facts, slices, taints
 from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.dra.claims import Preparer
+from pcc_plugin.dra.health import HealthFeed, HealthService
 from pcc_plugin.dra.service import DraService, RegistrationService
 from pcc_plugin.dra.sockets import earlier_sockets, instance_token, socket_paths, state_dir
 from pcc_plugin.flags import Flags
@@ -49,9 +53,18 @@ class DraMode:
         self.directory = Path(config.kubelet_registry_path)
         # Set, and replaced, at each change of the devices: what the slices' publisher waits on.
         self._changed = trio.Event()
+        self.health = HealthFeed(config.node_name)
+        self.unhealthy = taints.Unhealthy(config.driver_name, config.unhealthy_taint_effect)
+        self.node = node_facts.NodeFacts()
         self.inventory = Inventory(spec, config.host_root, state, self._devices_changed)
 
     def _devices_changed(self, devices: tuple[Device, ...]) -> None:
+        self.health.update(devices)
+        self.unhealthy.seen(devices)
+        facts = node_facts.read_facts(self.config.host_root)
+        if facts != self.node:
+            log.info("Node attributes: %s", facts.describe())
+            self.node = facts
         self._changed.set()
         self._changed = trio.Event()
 
@@ -65,17 +78,20 @@ class DraMode:
         )  # fmt: skip
 
         def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
-            return slices.desired(pool, inventory.spec, inventory.devices)
+            return slices.desired(pool, inventory.spec, inventory.devices, self.unhealthy,
+                                  self.node)  # fmt: skip
 
-        pool = slices.Pool(config.driver_name, config.node_name, "")
-        me = slices.Instance.starting(instance_token(config))
+        sysfs = node_facts.sysfs_missing(config.host_root)
+        if sysfs:
+            log.warning(
+                "%s does not exist: the devices get no attributes teeType and tsmReport; mount "
+                "the host's /sys there, read-only (manifests/overlays/dra does)",
+                sysfs,
+            )
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)
-                nursery.start_soon(
-                    slices.publish, api, pool, me, self._alive, wanted, lambda: self._changed,
-                    self.state,
-                )  # fmt: skip
+                nursery.start_soon(self._publish, api, wanted)
                 nursery.start_soon(serve_generations, self, bug_backoff)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
@@ -85,6 +101,17 @@ class DraMode:
         """Whether another instance of the driver on this node still serves its DRA socket
         (each removes its sockets as it stops)."""
         return accepts_connections(socket_paths(self.config, other.token)[1])
+
+    async def _publish(
+        self, api: kube.Api, wanted: Callable[[slices.Pool], list[dict[str, Any]]]
+    ) -> None:
+        """Choose how unhealthy devices show (taints.py), then keep the slices published."""
+        config = self.config
+        await taints.choose(api, self.unhealthy, config.node_name, self.state)
+        pool = slices.Pool(config.driver_name, config.node_name, "")
+        me = slices.Instance.starting(instance_token(config))
+        await slices.publish(api, pool, me, self._alive, wanted, lambda: self._changed,
+                             self.state)  # fmt: skip
 
     async def serve_generation(self, generation: Generation) -> None:
         """Serve the DRA socket, then the registration socket, and watch both (each is removed
@@ -101,9 +128,9 @@ class DraMode:
             config.driver_name, str(dra_path), self.state, generation.cause
         )
         sockets: list[tuple[Path, Identity]] = []
+        kubelets = {**DraService(self.preparer).methods(), **HealthService(self.health).methods()}
         for server, path in (
-            (grpc_server.Server(DraService(self.preparer).methods(), report, idle_client=True),
-             dra_path),
+            (grpc_server.Server(kubelets, report, idle_client=True), dra_path),
             (grpc_server.Server(registration.methods(), report), registration_path),
         ):  # fmt: skip
             listener, own = grpc_server.bind(path)

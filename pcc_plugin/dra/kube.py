@@ -93,8 +93,8 @@ class Api:
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                 await call_asyncio(events.aclose)
 
-    async def create_slice(self, obj: Obj) -> Obj:
-        return _as_dict(await self._call(self._client.create, _slice(obj)))
+    async def create_slice(self, obj: Obj, *, dry_run: bool = False) -> Obj:
+        return _as_dict(await self._call(self._client.create, _slice(obj), dry_run=dry_run))
 
     async def replace_slice(self, obj: Obj) -> Obj:
         return _as_dict(await self._call(self._client.replace, _slice(obj)))

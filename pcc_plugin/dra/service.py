@@ -16,6 +16,7 @@ from pcc_plugin import cdi, wire
 from pcc_plugin._proto import pluginregistration as registration
 from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1, v1beta1
 from pcc_plugin.bridge import call_trio
+from pcc_plugin.dra import health
 from pcc_plugin.dra.claims import ClaimRef, Preparer
 from pcc_plugin.grpc_server import Call, GRPCError, MethodSpec, Status
 from pcc_plugin.klog import V1
@@ -27,7 +28,8 @@ REGISTRATION = "/pluginregistration.Registration/"
 DRA_V1 = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/"
 DRA_V1BETA1 = "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/"
 PLUGIN_TYPE = "DRAPlugin"
-# What GetInfo offers, preferred first: kubelet takes the first it knows.
+# What GetInfo offers, preferred first: kubelet takes the first it knows (and, apart, the first
+# of the health services, dra/health.py).
 SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
 # Kubelet sends the claims of one pod; a pod has far fewer.
 MAX_CLAIMS = 128
@@ -48,7 +50,7 @@ class RegistrationService:
                 type=PLUGIN_TYPE,
                 name=driver,
                 endpoint=endpoint,
-                supported_versions=SUPPORTED_SERVICES,
+                supported_versions=[*SUPPORTED_SERVICES, *health.SERVICES],
             )
         )
 

@@ -1,13 +1,11 @@
 """The node's ResourceSlices: what they say (`desired`), and keeping them so (`publish`).
 
-One pool, named after the node, lists the healthy shares as devices (`pcc-0` ... by default),
-`MAX_DEVICES_PER_SLICE` to a slice. A device that is gone, or whose PCC directory is, is
-withdrawn from the pool, and listed again when it is back; every change bumps the pool's
-generation in each of its slices. Withdrawn rather than tainted: it works on every API
-server that serves resource.k8s.io/v1 (an API server without device taints drops the field
-and would leave the device allocatable), keeps 128 devices to a slice (taints halve it),
-and, like an Unhealthy device plugin device, stops new allocations without evicting the
-pods that use the device (a NoExecute taint would).
+One pool, named after the node, lists the shares as devices (`pcc-0` ... by default),
+`MAX_DEVICES_PER_SLICE` to a slice, each with the attributes claims select on (the resource's,
+and the node's confidential computing, node_facts.py). A device that is gone, or whose PCC
+directory is, stays listed with a taint where the API server serves taints, and is withdrawn
+from the pool where it does not (taints.py says which and why); every change bumps the pool's
+generation in each of its slices.
 
 `publish` reads the Node (its UID owns the slices, and a Node registered again has a new
 one), lists the driver's slices of this node, writes what differs, then watches them: a
@@ -37,6 +35,8 @@ import attrs
 import trio
 
 from pcc_plugin.dra.kube import Api, RequestFailed, describe_error, status_code
+from pcc_plugin.dra.node_facts import NodeFacts
+from pcc_plugin.dra.taints import MAX_TAINTED_DEVICES_PER_SLICE, Unhealthy
 from pcc_plugin.generations import Backoff, Outage
 from pcc_plugin.klog import V1
 from pcc_plugin.resource import Device, ResourceSpec
@@ -99,20 +99,31 @@ def slice_name(pool: Pool, index: int) -> str:
     return f"{pool.node[:200]}-{digest}-{index}"
 
 
-def desired(pool: Pool, spec: ResourceSpec, devices: tuple[Device, ...]) -> list[dict[str, Any]]:
-    """The slices that say what the node has now (generation left to `publish`).
+def desired(
+    pool: Pool,
+    spec: ResourceSpec,
+    devices: tuple[Device, ...],
+    unhealthy: Unhealthy | None = None,
+    node: NodeFacts | None = None,
+) -> list[dict[str, Any]]:
+    """The slices that say what the node has now (generation left to `publish`): unhealthy
+    devices withdrawn, or tainted as `unhealthy` says; the node's facts in every device.
 
-    At least one slice, empty when every device is withdrawn: the pool stays visible.
+    At least one slice, empty when every device is withdrawn: the pool stays visible. While
+    tainting, a slice holds fewer devices whatever their health, so that none moves to
+    another slice as its health changes.
     """
-    listed = [
-        {"name": device.id, "attributes": attributes(spec, device)}
-        for device in devices
-        if device.healthy
-    ]
-    chunks = [
-        listed[start : start + MAX_DEVICES_PER_SLICE]
-        for start in range(0, len(listed), MAX_DEVICES_PER_SLICE)
-    ] or [[]]
+    unhealthy = unhealthy or Unhealthy(pool.driver)
+    shared = node.attributes() if node else {}
+    listed = []
+    for device in filter(unhealthy.listed, devices):
+        entry: dict[str, Any] = {"name": device.id, "attributes": attributes(spec, device) | shared}
+        if taints := unhealthy.taints(device):
+            entry["taints"] = taints
+        listed.append(entry)
+    per_slice = MAX_TAINTED_DEVICES_PER_SLICE if unhealthy.tainting else MAX_DEVICES_PER_SLICE
+    starts = range(0, len(listed), per_slice)
+    chunks = [listed[start : start + per_slice] for start in starts] or [[]]
     return [
         {
             "apiVersion": RESOURCE_API,
@@ -139,7 +150,8 @@ def _content(obj: dict[str, Any]) -> Any:
     spec = obj.get("spec") or {}
     pool = spec.get("pool") or {}
     devices = [
-        (device.get("name"), device.get("attributes") or {}) for device in spec.get("devices") or []
+        (device.get("name"), device.get("attributes") or {}, device.get("taints") or [])
+        for device in spec.get("devices") or []
     ]
     owners = [
         (owner.get("kind"), owner.get("name"), owner.get("uid"))

@@ -4,7 +4,10 @@ It serves what the driver uses of kube-apiserver, in its JSON and with its statu
 GET a Node and a ResourceClaim; list, watch (chunked, from a resource version), create,
 replace and delete ResourceSlices, with field selectors on spec.nodeName and spec.driver.
 It checks the bearer token, and what kube-apiserver checks of a slice that a driver could get
-wrong (at most 128 devices, a pool, names). Threads answer requests, so trio tests drive it
+wrong (at most 128 devices, 64 when one has a taint, a pool, names, taints). A create may be a
+dry run (`dryRun=All`: checked and answered, not kept) and name only a `generateName`. Like
+kube-apiserver 1.37 it serves device taints; `serves_taints = False` makes it drop them, as
+one without the DRADeviceTaints feature does. Threads answer requests, so trio tests drive it
 through `run_blocking` like the simulated kubelet; `wait_for` blocks until a predicate on its
 state holds.
 
@@ -27,6 +30,7 @@ import re
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,7 +53,13 @@ credential["status"] = {"token": sys.argv[1]}
 print(json.dumps(credential))
 """
 MAX_DEVICES_PER_SLICE = 128
+MAX_TAINTED_DEVICES_PER_SLICE = 64
+MAX_TAINTS_PER_DEVICE = 16
+TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 
 class Rejected(Exception):
@@ -80,16 +90,48 @@ def check_slice(obj: Obj) -> None:
     pool = spec.get("pool") or {}
     if not pool.get("name") or pool.get("resourceSliceCount", 0) < 1:
         problems.append("spec.pool needs a name and a resourceSliceCount of at least 1")
-    if len(devices) > MAX_DEVICES_PER_SLICE:
-        problems.append(f"spec.devices: at most {MAX_DEVICES_PER_SLICE}, got {len(devices)}")
+    tainted = any(device.get("taints") for device in devices)
+    most = MAX_TAINTED_DEVICES_PER_SLICE if tainted else MAX_DEVICES_PER_SLICE
+    if len(devices) > most:
+        problems.append(f"spec.devices: at most {most}, got {len(devices)}")
     for device in devices:
         if not _DNS_LABEL.fullmatch(device.get("name", "")):
             problems.append(f"device name {device.get('name')!r} is not a DNS label")
         for value in (device.get("attributes") or {}).values():
             if len(str(value.get("string", ""))) > 64:
                 problems.append("a string attribute is longer than 64 characters")
+        problems.extend(_taint_problems(device.get("taints") or []))
     if problems:
         raise Rejected(422, "Invalid", "; ".join(problems))
+
+
+def _taint_problems(taints: list[Obj]) -> list[str]:
+    problems = [] if len(taints) <= MAX_TAINTS_PER_DEVICE else ["more than 16 taints"]
+    for taint in taints:
+        key, value = taint.get("key") or "", taint.get("value") or ""
+        prefix, _, name = key.rpartition("/")
+        if not name or len(name) > 63 or (prefix and not _DNS_SUBDOMAIN.fullmatch(prefix)):
+            problems.append(f"taint key {key!r} is not a label name")
+        if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
+            problems.append(f"taint value {value!r} is not a label value")
+        if taint.get("effect") not in TAINT_EFFECTS:
+            problems.append(f"taint effect {taint.get('effect')!r} is not one of {TAINT_EFFECTS}")
+        if "timeAdded" in taint and not _TIME.fullmatch(str(taint["timeAdded"])):
+            problems.append(f"taint timeAdded {taint['timeAdded']!r} is not a time")
+    return problems
+
+
+def _drop_taints(obj: Obj) -> None:
+    for device in (obj.get("spec") or {}).get("devices") or []:
+        device.pop("taints", None)
+
+
+def _stamp_taints(obj: Obj) -> None:
+    """What kube-apiserver adds to a taint without a time: now."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for device in (obj.get("spec") or {}).get("devices") or []:
+        for taint in device.get("taints") or []:
+            taint.setdefault("timeAdded", now)
 
 
 class FakeApiServer:
@@ -97,6 +139,7 @@ class FakeApiServer:
 
     def __init__(self, token: str = "sim-token") -> None:
         self.token = token
+        self.serves_taints = True
         self._changed = threading.Condition(threading.RLock())
         self._versions = itertools.count(1)
         self._version = 0
@@ -354,8 +397,9 @@ class FakeApiServer:
                 }
             if path == f"{RESOURCE_API}/resourceslices" and method == "POST":
                 if self._conflict_armed and body:
-                    self._conflict(body["metadata"]["name"], body)
-                return self._after_write(self._create(body or {}))
+                    self._conflict(body["metadata"].get("name", ""), body)
+                dry_run = query.get("dryRun") == "All"
+                return self._after_write(self._create(body or {}, dry_run=dry_run))
             if match := re.fullmatch(rf"{RESOURCE_API}/resourceslices/([^/]+)", path):
                 if self._conflict_armed and method == "PUT" and body:
                     self._conflict(match[1], body)
@@ -373,15 +417,27 @@ class FakeApiServer:
             raise Rejected(404, "NotFound", f'{kind} "{key}" not found')
         return store[key]
 
-    def _create(self, obj: Obj) -> Obj:
+    def _create(self, obj: Obj, dry_run: bool = False) -> Obj:
+        metadata = obj["metadata"]
+        name = metadata.get("name") or metadata.get("generateName", "") + uuid.uuid4().hex[:5]
+        metadata["name"] = name
         check_slice(obj)
-        name = obj["metadata"]["name"]
         if name in self._slices:
             raise Rejected(409, "AlreadyExists", f'resourceslices "{name}" already exists')
-        obj["metadata"] = {**obj["metadata"], **self._metadata(name)}
+        self._served(obj)
+        if dry_run:
+            return obj
+        obj["metadata"] = {**metadata, **self._metadata(name)}
         self._slices[name] = obj
         self._event("ADDED", obj)
         return obj
+
+    def _served(self, obj: Obj) -> None:
+        """The fields as kube-apiserver keeps them: taints dropped or given their time."""
+        if self.serves_taints:
+            _stamp_taints(obj)
+        else:
+            _drop_taints(obj)
 
     def _slice(self, method: str, name: str, body: Obj | None) -> Obj:
         old = self._get(self._slices, name, "resourceslices.resource.k8s.io")
@@ -398,6 +454,7 @@ class FakeApiServer:
             raise Rejected(409, "Conflict", "the object has been modified")
         if body["spec"]["nodeName"] != old["spec"]["nodeName"]:
             raise Rejected(422, "Invalid", "spec.nodeName: field is immutable")
+        self._served(body)
         # The writer's metadata (annotations, owners), the server's identity of the object.
         identity = {"name": name, "uid": old["metadata"]["uid"], "resourceVersion": self._bump()}
         body["metadata"] = {**body["metadata"], **identity}

@@ -11,6 +11,12 @@ kubelet the driver gone; it is plain HTTP/2 (h2), which this module controls who
 open grpcio channels of their own. Calls go to the newest instance of a driver, with kubelet's
 45 s deadline. At start it deletes the node's ResourceSlices from the API server, as kubelet
 does.
+
+Like a kubelet with ResourceHealthStatus on (1.36 and later), it opens the DRAResourceHealth
+stream of each instance whose registration lists a version it knows (`health_services`, its
+own preference first), keeps each device's last report (`device_health`: Unknown once a report
+is older than its timeout), forgets all of a driver's reports when one of its streams ends, and
+opens the stream again 5 s later, until the instance goes or the stream answers UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +41,13 @@ import h2.exceptions
 from asyncinotify import InitFlags, Inotify, Mask
 
 from pcc_plugin.inotify import pending_events
-from pcc_plugin.sim._pb import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
+from pcc_plugin.sim._pb import (
+    dra_health_v1_pb2,
+    dra_health_v1alpha1_pb2,
+    dra_v1_pb2,
+    dra_v1beta1_pb2,
+    pluginregistration_pb2,
+)
 from pcc_plugin.sim.apiserver import FakeApiServer
 from pcc_plugin.sim.state import serialize
 
@@ -51,6 +64,18 @@ SERVICES = {
     "v1.DRAPlugin": ("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/", dra_v1_pb2),
     "v1beta1.DRAPlugin": ("/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/", dra_v1beta1_pb2),
 }
+# The health services kubelet 1.37 knows, its preference first, and their stream's path.
+HEALTH_SERVICES = {
+    "v1.DRAResourceHealth": ("/v1.DRAResourceHealth/NodeWatchResources", dra_health_v1_pb2),
+    "v1alpha1.DRAResourceHealth": (
+        "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+        dra_health_v1alpha1_pb2,
+    ),
+}
+# Kubelet opens a health stream again this long after one ended; without a timeout in a report
+# it trusts it this long.
+HEALTH_RETRY = 5.0
+DEFAULT_HEALTH_TIMEOUT = 30.0
 
 
 @attrs.frozen
@@ -65,6 +90,18 @@ class DraRegistration:
     # Whether the endpoint took a connection when GetInfo was answered.
     endpoint_served: bool
     error: str | None
+    # The health service this kubelet watches, or "" (none it knows is listed).
+    health_service: str = ""
+
+
+@attrs.frozen
+class DeviceHealthReport:
+    """A device's last health report, as kubelet keeps it."""
+
+    health: str
+    message: str
+    timeout: float
+    received: float
 
 
 class SimDraKubelet:
@@ -76,11 +113,14 @@ class SimDraKubelet:
         node: str,
         api: FakeApiServer | None = None,
         services: tuple[str, ...] = tuple(SERVICES),
+        health_services: tuple[str, ...] = tuple(HEALTH_SERVICES),
     ) -> None:
         """`services`: those this kubelet knows (1.34 to 1.37 know both; 1.32 and 1.33 only
-        v1beta1)."""
+        v1beta1); `health_services`: the health streams it opens (1.37 both, 1.36 v1alpha1,
+        none with ResourceHealthStatus off)."""
         self.registry_dir = registry_dir
         self.services = services
+        self.health_services = health_services
         self.node = node
         self.api = api
         self._changed = threading.Condition(threading.RLock())
@@ -90,6 +130,11 @@ class SimDraKubelet:
         # By DRA socket: whether kubelet's connection to it is up, each time that changed.
         self.connections: dict[str, list[bool]] = {}
         self._held: dict[str, HeldConnection] = {}
+        # Each device's last health report, by (driver, pool, device); each health stream's
+        # history by DRA socket ("open", or why it ended); the watchers by DRA socket.
+        self._health: dict[tuple[str, str, str], DeviceHealthReport] = {}
+        self.health_streams: dict[str, list[str]] = {}
+        self._watchers: dict[str, HealthWatcher] = {}
         self._thread: threading.Thread | None = None
         self._stop_write: int | None = None
 
@@ -120,9 +165,12 @@ class SimDraKubelet:
         with self._changed:
             self._instances.clear()
             held, self._held = self._held, {}
+            watchers, self._watchers = self._watchers, {}
             self._changed.notify_all()
         for connection in held.values():
             connection.close()
+        for watcher in watchers.values():
+            watcher.stop()
 
     def restart(self) -> None:
         self.stop()
@@ -146,6 +194,37 @@ class SimDraKubelet:
     def instances(self, driver: str) -> list[DraRegistration]:
         with self._changed:
             return [one for one in self._instances.values() if one.driver == driver]
+
+    def device_health(self, driver: str, pool: str, device: str) -> tuple[str, str]:
+        """The health kubelet would put in a pod's status: its last report, or UNKNOWN (and
+        no message) without one, or once it is older than its timeout."""
+        with self._changed:
+            report = self._health.get((driver, pool, device))
+        if report is None or time.monotonic() - report.received > report.timeout:
+            return "UNKNOWN", ""
+        return report.health, report.message
+
+    # Health streams (the watchers' threads call these)
+
+    def _health_reported(self, driver: str, response: Any, pb: Any) -> None:
+        now = time.monotonic()
+        with self._changed:
+            for device in response.devices:
+                timeout = device.health_check_timeout_seconds or DEFAULT_HEALTH_TIMEOUT
+                key = (driver, device.device.pool_name, device.device.device_name)
+                self._health[key] = DeviceHealthReport(
+                    pb.HealthStatus.Name(device.health), device.message, timeout, now
+                )
+            self._changed.notify_all()
+
+    def _health_stream(self, driver: str, endpoint: str, what: str) -> None:
+        """A stream opened ("open") or ended (why); an end forgets the driver's reports."""
+        with self._changed:
+            self.health_streams.setdefault(endpoint, []).append(what)
+            if what != "open":
+                for key in [key for key in self._health if key[0] == driver]:
+                    del self._health[key]
+            self._changed.notify_all()
 
     # The calls
 
@@ -229,17 +308,31 @@ class SimDraKubelet:
             self._changed.notify_all()
         if registration.error is None:
             self._connect(registration.endpoint)
+            if registration.health_service:
+                self._watch_health(registration)
 
     def _vanished(self, name: str) -> None:
-        held = None
+        held = watcher = None
         with self._changed:
             instance = self._instances.pop(name, None)
             if instance is not None:
                 log.info("deregistered the DRA plugin of %s", name)
                 held = self._held.pop(instance.endpoint, None)
+                watcher = self._watchers.pop(instance.endpoint, None)
                 self._changed.notify_all()
         if held is not None:
             held.close()
+        if watcher is not None:
+            watcher.stop()
+
+    def _watch_health(self, registration: DraRegistration) -> None:
+        watcher = HealthWatcher(self, registration)
+        with self._changed:
+            old = self._watchers.pop(registration.endpoint, None)
+            self._watchers[registration.endpoint] = watcher
+        if old is not None:
+            old.stop()
+        watcher.start()
 
     def _connect(self, endpoint: str) -> None:
         """Kubelet's connection to a registered DRA socket, held and watched."""
@@ -284,9 +377,60 @@ class SimDraKubelet:
                 )
             except grpc.RpcError as failure:
                 error = error or f"NotifyRegistrationStatus: {failure.code().name}"
+        health = next((one for one in self.health_services if one in info.supported_versions), "")
         return DraRegistration(
-            path.name, info.name, endpoint, service, tuple(info.supported_versions), served, error
-        )
+            path.name, info.name, endpoint, service, tuple(info.supported_versions), served, error,
+            health,
+        )  # fmt: skip
+
+
+class HealthWatcher:
+    """Kubelet's DRAResourceHealth stream to one instance, in a thread: opened again
+    HEALTH_RETRY after it ends, until stopped or answered UNIMPLEMENTED."""
+
+    def __init__(self, kubelet: SimDraKubelet, registration: DraRegistration) -> None:
+        self._kubelet = kubelet
+        self._registration = registration
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name="sim-dra-health", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        kubelet, registration = self._kubelet, self._registration
+        path, pb = HEALTH_SERVICES[registration.health_service]
+        while not self._stopped.is_set():
+            with grpc.insecure_channel(f"unix:{registration.endpoint}") as channel:
+                watch = channel.unary_stream(
+                    path,
+                    request_serializer=serialize,
+                    response_deserializer=pb.NodeWatchResourcesResponse.FromString,
+                )
+                with self._lock:
+                    if self._stopped.is_set():
+                        return
+                    self._call = watch(pb.NodeWatchResourcesRequest())
+                kubelet._health_stream(registration.driver, registration.endpoint, "open")
+                why = "ended"
+                try:
+                    for response in self._call:
+                        kubelet._health_reported(registration.driver, response, pb)
+                except grpc.RpcError as failure:
+                    why = f"{failure.code().name}: {failure.details()}"
+                kubelet._health_stream(registration.driver, registration.endpoint, why)
+                if why.startswith("UNIMPLEMENTED"):
+                    return
+            self._stopped.wait(HEALTH_RETRY)
 
 
 class HeldConnection:

@@ -39,8 +39,12 @@ class FakeNode:
         # A symlink to /dev/null is a character device to stat(), like the real sev-guest.
         os.symlink("/dev/null", node.device)
         node.pcc_dir.mkdir(parents=True)
-        # A sysfs that names no sev-guest device, as on a node without the driver.
+        # A sysfs that names no sev-guest device, as on a node without the driver; the SEV-SNP
+        # guest's platform device and the TSM report directory, as on an SEV-SNP guest with
+        # configfs mounted (what the DRA driver's node attributes read).
         (host_root / "sys" / "class" / "misc").mkdir(parents=True)
+        (host_root / "sys" / "bus" / "platform" / "devices" / "sev-guest").mkdir(parents=True)
+        (host_root / "sys" / "kernel" / "config" / "tsm" / "report").mkdir(parents=True)
         return node
 
     def daemon_args(self, verbosity: int = 2) -> list[str]:

@@ -27,8 +27,16 @@ Check 9, after the device plugin's uninstall (check 8):
 5. the migration path: a pod asking for ``tke.cloud.tencent.com/pcc-device: 1``, unchanged
    (manifests/examples/confidential-app), runs, served by the driver through the DeviceClass's
    ``extendedResourceName``;
-6. the device removed: the slice withdraws its devices, and a new pod's claim is not allocated
-   (Pending, the scheduler's reason); restored: the devices are back and the pod runs;
+   attributes: on the node made an SEV-SNP guest with TSM (``fake_sev_snp_sysfs``), every
+   device says ``teeType`` ``sev-snp`` and ``tsmReport`` true; docs/dra.md's DeviceClass that
+   selects on them, applied as written, gets a pod its share; the same class asking for
+   another TEE leaves its pod Pending (the scheduler's reason);
+6. the device removed: the API server's and kubelet's feature gates as their metrics say;
+   the devices stay in the slice with the taint ``<driver>/unhealthy=dev-sev-guest-missing:
+   NoSchedule`` (or, where the driver found no taints, withdrawn), every running claim pod's
+   status says ``Unhealthy`` with the reason in ``allocatedResourcesStatus``, and a new pod's
+   claim is not allocated (Pending, the scheduler's reason); restored: the taints go, the
+   pods say ``Healthy`` again, and the pod runs;
 7. kubelet restarted, then the driver's pod deleted, with claims prepared: the running pods keep
    their containers and devices, the slices are published again; a pod deleted after the new
    driver started has its claim unprepared by it (the spec gone), and a new pod gets the share;
@@ -40,12 +48,17 @@ Check 9, after the device plugin's uninstall (check 8):
    the driver needs no API server to unprepare, the pod starts and the other is gone as soon
    as it is back, the running pods keep their containers and devices, the checkpoint holds
    exactly the running pods' claims, the driver was not restarted.
+10. ``--unhealthy-taint-effect=NoExecute`` patched into the DaemonSet: with the device removed,
+    kube-controller-manager evicts the running claim pods; restored, the overlay applied again.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +74,7 @@ from .cluster import (
     DAEMONSET,
     DOCTOR,
     NODE_LABEL,
+    REPOSITORY,
     SYSTEM,
     Cluster,
     RunningConsumers,
@@ -103,6 +117,16 @@ SETTLE = WRITE_EVERY + 10
 # Check 9.9: how long kube-apiserver is stopped.
 OUTAGE = 20.0
 STATE_DIR = Path("/var/lib/kubelet/plugins") / DRIVER
+# What the driver says of an unhealthy device: its taint's key, and the problem (through
+# --host-root) that kubelet shows in the pods' status.
+TAINT_KEY = f"{DRIVER}/unhealthy"
+DEVICE_GONE = "detect device /host/dev/sev-guest failed: No such file or directory"
+# The node as an SEV-SNP guest whose kernel serves TSM reports (node_facts.py reads these).
+SEV_SNP_GUEST = Path("/sys/bus/platform/devices/sev-guest")
+TSM_REPORT = Path("/sys/kernel/config/tsm/report")
+# docs/dra.md's DeviceClass that selects on them; a copy of it that asks for another TEE.
+DOCS = REPOSITORY / "docs" / "dra.md"
+OTHER_TEE_CLASS = "pcc-e2e-other-tee.tke.cloud.tencent.com"
 
 
 def write_bound(seconds: float) -> int:
@@ -147,6 +171,55 @@ def service_account_token(pod: Obj) -> str:
     volumes = Path(f"/var/lib/kubelet/pods/{uid}/volumes/kubernetes.io~projected")
     (token,) = volumes.glob("*/token")
     return token.read_text()
+
+
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True, capture_output=True)
+
+
+def _shadow(directory: Path, state: Path, replaced: str) -> None:
+    """A tmpfs over `directory` (in sysfs, which cannot be written) with its entries there as
+    before but `replaced`: each symlink made again, each file and directory bound back from the
+    original. In the node's mount namespace only: the machine's sysfs is untouched."""
+    original = state / "sysfs" / str(directory).strip("/").replace("/", "-")
+    original.mkdir(parents=True)
+    _mount("--rbind", str(directory), str(original))
+    entries = [entry for entry in sorted(original.iterdir()) if entry.name != replaced]
+    _mount("-t", "tmpfs", "-o", "mode=0755", "pcc-e2e-sysfs", str(directory))
+    for entry in entries:
+        copy = directory / entry.name
+        if entry.is_symlink():
+            copy.symlink_to(os.readlink(entry))
+            continue
+        copy.mkdir() if entry.is_dir() else copy.touch()
+        _mount("--rbind", str(entry), str(copy))
+
+
+def fake_sev_snp_sysfs(state: Path) -> None:
+    """The node as an SEV-SNP guest with TSM reports, as the driver reads it from the host's
+    sysfs: the SEV-SNP guest's platform device, and configfs' tsm/report."""
+    _shadow(SEV_SNP_GUEST.parent, state, SEV_SNP_GUEST.name)
+    # A configfs of the machine's own, if it has one, is not written to.
+    _shadow(TSM_REPORT.parents[2], state, TSM_REPORT.parents[1].name)
+    SEV_SNP_GUEST.mkdir()
+    TSM_REPORT.mkdir(parents=True)
+
+
+def docs_device_class() -> Obj:
+    """docs/dra.md's DeviceClass, as written there."""
+    blocks = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), re.S)
+    (found,) = [doc for doc in map(yaml.safe_load, blocks) if doc.get("kind") == "DeviceClass"]
+    return dict(found)
+
+
+def feature_enabled(metrics: str, gate: str) -> str:
+    """`<gate>=<0|1> (<stage>)` as a component's kubernetes_feature_enabled metric says it."""
+    match = re.search(
+        rf'^kubernetes_feature_enabled\{{name="{gate}",stage="(\w*)"\}} (\d)', metrics, re.M
+    )
+    expect(match is not None, f"no kubernetes_feature_enabled of {gate}")
+    assert match is not None
+    return f"{gate}={match[2]} ({match[1] or 'GA'})"
 
 
 def probe_slice(node: str) -> Obj:
@@ -242,8 +315,11 @@ class Dra:
 
     # Consumers.
 
-    async def create(self, name: str) -> None:
+    async def create(self, name: str, claim_template: str | None = None) -> None:
         pod: Obj = yaml.safe_load(yaml.safe_dump(self.pod_template))
+        if claim_template is not None:
+            (claim,) = pod["spec"]["resourceClaims"]
+            claim["resourceClaimTemplateName"] = claim_template
         pod["metadata"]["name"] = name
         pod["metadata"]["namespace"] = CONSUMERS
         pod["metadata"].setdefault("labels", {})["pcc-e2e/role"] = "dra"
@@ -536,18 +612,84 @@ class Dra:
             f"DeviceClass's extendedResourceName (claim {claim_name(pod)}, {spec_path(uid).name})"
         )
 
+    # 9.5, the node's attributes (issue 38, D)
+
+    async def node_attributes(self) -> None:
+        self.report.variant = "9 dra attributes"
+        cluster = self.cluster
+        wanted = {"teeType": {"string": "sev-snp"}, "tsmReport": {"bool": True}}
+        devices = [d for s in self.pool() for d in s["spec"]["devices"]]
+        said = [{name: d["attributes"].get(name) for name in wanted} for d in devices]
+        expect(
+            len(devices) == SHARES and all(one == wanted for one in said),
+            f"the devices' node attributes: {said}",
+        )
+        self.report.check(
+            f"on an SEV-SNP guest with TSM ({SEV_SNP_GUEST}, {TSM_REPORT}): all {SHARES} devices "
+            f"say {json.dumps(wanted)}"
+        )
+        documented = docs_device_class()
+        other: Obj = yaml.safe_load(yaml.safe_dump(documented))
+        other["metadata"]["name"] = OTHER_TEE_CLASS
+        (selector,) = other["spec"]["selectors"]
+        selector["cel"]["expression"] = selector["cel"]["expression"].replace('"sev-snp"', '"tdx"')
+        expect('"tdx"' in selector["cel"]["expression"], f"{DOCS}'s class: {documented}")
+        await cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all([documented, other]))
+        templates = f"{RESOURCE_API}/namespaces/{CONSUMERS}/resourceclaimtemplates"
+        pods_of = {}
+        for device_class in (documented, other):
+            name = device_class["metadata"]["name"]
+            template: Obj = yaml.safe_load(yaml.safe_dump(self.claim_template))
+            template["metadata"]["name"] = name.partition(".")[0]
+            (request,) = template["spec"]["spec"]["devices"]["requests"]
+            request["exactly"]["deviceClassName"] = name
+            await cluster.server.call("POST", templates, template)
+            pods_of[name] = template["metadata"]["name"]
+        spec = await self.delete(self.claim_pods()[0])
+        await self.gone("a share freed", spec)
+        template_name = pods_of[documented["metadata"]["name"]]
+        selected = f"{CLAIM_PREFIX}{template_name}"
+        created = now()
+        await self.create(selected, template_name)
+        pod = await cluster.consumer_running(selected)
+        self.report.figure("dra: docs' DeviceClass pod created → running", now() - created)
+        uid, device = self.device_of(pod)
+        await cluster.check_in_consumer(pod)
+        self.report.check(
+            f"docs/dra.md's DeviceClass {documented['metadata']['name']} (teeType, tsmReport), "
+            f"applied as written: {selected} runs on {device} (claim {uid})"
+        )
+        template_name = pods_of[OTHER_TEE_CLASS]
+        refused = f"{CLAIM_PREFIX}{template_name}"
+        await self.create(refused, template_name)
+        event = await cluster.scheduler_event(refused)
+        expect(UNALLOCATABLE in event["message"], f"{refused}: {event}")
+        await cluster.delete_consumer(refused)
+        await cluster.pods.until(f"{refused} gone", functools.partial(self.absent, refused), 60)
+        self.report.check(
+            f"the same class asking for teeType tdx: {refused} Pending: {event['message']}"
+        )
+
     # 9.6
 
     async def device_removed(self) -> None:
         self.report.variant = "9 dra device"
         cluster = self.cluster
+        await self.gates()
         spec = await self.delete(self.claim_pods()[0])
         await self.gone("a share freed", spec)
+        holders = [p for p in self.claim_pods() if phase(p) == "Running"]
+        await self.health_shown(holders, "Healthy", "before")
+        tainting = await self.taints_chosen()
         removed = now()
         DEVICE.unlink()
-        withdrawn = await self.wait_published("the device removed", 0)
-        self.report.figure("dra: device removed → devices withdrawn", withdrawn - removed)
-        name = f"{CLAIM_PREFIX}withdrawn"
+        if tainting:
+            await self.tainted(removed)
+        else:
+            withdrawn = await self.wait_published("the device removed", 0)
+            self.report.figure("dra: device removed → devices withdrawn", withdrawn - removed)
+        await self.health_shown(holders, "Unhealthy", "device removed", DEVICE_GONE, removed)
+        name = f"{CLAIM_PREFIX}device-gone"
         await self.create(name)
         event = await cluster.scheduler_event(name)
 
@@ -565,17 +707,127 @@ class Dra:
             and not claim.get("status", {}).get("allocation"),
             f"{name}: {event['message']}; {pod['spec'].get('nodeName')}; {claim.get('status')}",
         )
+        shown = "tainted" if tainting else "withdrawn"
         self.report.check(
-            f"{DEVICE} removed: the node's slice lists no device; {name}'s claim is not "
-            f"allocated, the pod is Pending: {event['message']}"
+            f"{DEVICE} removed: the node's devices {shown}; {name}'s claim is not allocated, "
+            f"the pod is Pending: {event['message']}"
         )
         restored = now()
         make_device()
-        back = await self.wait_published("the device restored", SHARES)
-        self.report.figure("dra: device restored → devices back", back - restored)
+        if tainting:
+            await self.slices.until(
+                "the taints gone", lambda: True if not self.taints() else None, 60
+            )
+            self.report.figure("dra: device restored → taints gone", now() - restored)
+        else:
+            back = await self.wait_published("the device restored", SHARES)
+            self.report.figure("dra: device restored → devices back", back - restored)
+        await self.health_shown(holders, "Healthy", "device restored", "", restored)
         await cluster.consumer_running(name)
         self.report.figure("dra: device restored → the Pending pod running", now() - restored)
-        self.report.check(f"{DEVICE} restored: {SHARES} devices listed again; {name} runs")
+        self.report.check(
+            f"{DEVICE} restored: {SHARES} devices listed without a taint; {name} runs"
+        )
+
+    # 9.6, what the driver says of an unhealthy device: health in the pods' status (issue 38, B),
+    # a taint in the slice (C).
+
+    async def gates(self) -> None:
+        """The feature gates B and C need, as kube-apiserver and kubelet report them: nothing
+        is enabled by the cluster's set-up, these are 1.37.2's defaults."""
+        server = await self.cluster.kubectl("get", "--raw", "/metrics")
+        kubelet = await self.cluster.kubectl(
+            "get", "--raw", f"/api/v1/nodes/{NODE_NAME}/proxy/metrics"
+        )
+        said = [
+            "kube-apiserver " + ", ".join(
+                feature_enabled(server, gate)
+                for gate in ("DRADeviceTaints", "ResourceHealthStatus")
+            ),
+            "kubelet " + ", ".join(
+                feature_enabled(kubelet, gate)
+                for gate in ("ResourceHealthStatus", "ResourceHealthStatusMessage")
+            ),
+        ]  # fmt: skip
+        self.report.check(f"feature gates, by the defaults of 1.37.2: {'; '.join(said)}")
+
+    async def taints_chosen(self) -> bool:
+        """Whether the driver said at start that it taints (else it withdraws)."""
+        logs = await self.cluster.kubectl("-n", SYSTEM, "logs", f"ds/{DAEMONSET}")
+        said = re.search(r"Unhealthy devices will be [^\n]*", logs)
+        expect(said is not None, f"the driver did not say how it shows unhealthy devices:\n{logs}")
+        assert said is not None
+        self.report.check(f"the driver's log: {said[0]}")
+        return said[0].startswith(f"Unhealthy devices will be tainted {TAINT_KEY}=")
+
+    def taints(self) -> list[Obj]:
+        """Every taint of the node's pool's devices."""
+        return [
+            taint
+            for s in self.pool()
+            for device in s["spec"].get("devices") or []
+            for taint in device.get("taints") or []
+        ]
+
+    async def tainted(self, since: float) -> None:
+        """Every device still listed, each with the one taint that says why."""
+
+        def all_tainted() -> bool | None:
+            devices = [d for s in self.pool() for d in s["spec"].get("devices") or []]
+            taints = [taint for d in devices for taint in d.get("taints", [])]
+            said = {(taint["key"], taint.get("value"), taint["effect"]) for taint in taints}
+            complete = all(len(d.get("taints", [])) == 1 for d in devices)
+            wanted = {(TAINT_KEY, "dev-sev-guest-missing", "NoSchedule")}
+            return True if len(devices) == SHARES and complete and said == wanted else None
+
+        await self.slices.until("every device tainted", all_tainted, 60)
+        self.report.figure("dra: device removed → devices tainted", now() - since)
+        shown = await self.cluster.kubectl(
+            "get", "resourceslices", "--field-selector", f"spec.driver={DRIVER}",
+            "-o", "jsonpath={.items[0].spec.devices[0].name}: {.items[0].spec.devices[0].taints}",
+        )  # fmt: skip
+        self.report.check(f"{SHARES} devices still listed, each tainted: {shown}")
+
+    async def health_shown(
+        self, holders: list[Obj], health: str, what: str, message: str = "",
+        since: float | None = None,
+    ) -> None:  # fmt: skip
+        """Every pod of `holders` says `health` (with `message`) for its claim's device, in
+        status.containerStatuses[].allocatedResourcesStatus, as kubelet writes it."""
+        names = [p["metadata"]["name"] for p in holders]
+        expected = {}
+        for pod in holders:
+            uid, _ = self.device_of(pod)
+            resource: Obj = {"resourceID": f"{DRIVER}/claim={uid}", "health": health}
+            if message:
+                resource["message"] = message
+            expected[pod["metadata"]["name"]] = [{"name": "claim:pcc", "resources": [resource]}]
+
+        def statuses() -> dict[str, Any]:
+            found = {}
+            for name in names:
+                pod = self.cluster.pods.current.get(f"{CONSUMERS}/{name}") or {}
+                (status,) = pod.get("status", {}).get("containerStatuses") or [{}]
+                found[name] = status.get("allocatedResourcesStatus")
+            return found
+
+        try:
+            await self.cluster.pods.until(
+                f"{what}: {health} in the claim pods' status",
+                lambda: True if statuses() == expected else None,
+                60,
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}; they say {statuses()}") from None
+        if since is not None:
+            self.report.figure(f"dra: {what} → {health} in the pods' status", now() - since)
+        line = await self.cluster.kubectl(
+            "-n", CONSUMERS, "get", "pod", names[0],
+            "-o", "jsonpath={.status.containerStatuses[0].allocatedResourcesStatus}",
+        )  # fmt: skip
+        self.report.check(
+            f"{what}: the {len(names)} claim pods' status says {health}; {names[0]}: {line}"
+        )
 
     # 9.7
 
@@ -796,6 +1048,52 @@ class Dra:
             f"restarted; the slices {'kept' if kept else 'published again'}"
         )
 
+    # 9.10 (issue 38, C)
+
+    async def no_execute(self) -> None:
+        """--unhealthy-taint-effect=NoExecute, as an operator patches it in: the pods that hold
+        a claim on the device are evicted when it goes."""
+        self.report.variant = "9 dra NoExecute"
+        cluster = self.cluster
+        holders = [p for p in self.claim_pods() if phase(p) == "Running"]
+        expect(bool(holders), "no claim pod runs")
+        (old,) = cluster.plugin_pods()
+        flag = "--unhealthy-taint-effect=NoExecute"
+        patch = [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": flag}]
+        await cluster.kubectl(
+            "-n", SYSTEM, "patch", "daemonset", DAEMONSET, "--type=json", "-p", json.dumps(patch)
+        )
+        driver = await cluster.wait_rolled_out("the driver with NoExecute, ready", old)
+        await self.wait_published("the driver with NoExecute", SHARES)
+        removed = now()
+        DEVICE.unlink()
+        names = {p["metadata"]["name"] for p in holders}
+
+        def evicted() -> bool | None:
+            left = names & {p["metadata"]["name"] for p in self.claim_pods()}
+            return None if left else True
+
+        try:
+            await cluster.pods.until(f"the {len(names)} claim pods evicted", evicted, 90)
+            taint = next(iter(self.taints()), {})
+        finally:
+            make_device()
+        self.report.figure("dra NoExecute: device removed → the claim pods evicted",
+                           now() - removed)  # fmt: skip
+        expect(taint.get("effect") == "NoExecute", f"the taint: {taint}")
+        self.report.check(
+            f"{driver['metadata']['name']} with {flag}: {DEVICE} removed, the devices tainted "
+            f"{taint.get('key')}={taint.get('value')}:NoExecute, and kube-controller-manager "
+            f"evicted the {len(names)} claim pods"
+        )
+        await cluster.kubectl("apply", "-k", str(cluster.manifests / "overlays" / "dra"))
+        driver = await cluster.wait_rolled_out("the overlay's driver again", driver)
+        await self.slices.until("the taints gone", lambda: True if not self.taints() else None, 60)
+        self.report.check(
+            f"{DEVICE} restored and the overlay applied again: {driver['metadata']['name']} "
+            "ready, no taint left"
+        )
+
 
 async def migrate_and_back(cluster: Cluster, slices: Watch, claims: Watch) -> None:
     """Check 7, on the device plugin's cluster with its consumers running."""
@@ -804,13 +1102,16 @@ async def migrate_and_back(cluster: Cluster, slices: Watch, claims: Watch) -> No
 
 async def run(cluster: Cluster, slices: Watch, claims: Watch) -> None:
     """Check 9, on the cluster the device plugin's checks left (the plugin uninstalled)."""
+    fake_sev_snp_sysfs(cluster.node.state)
     dra = Dra(cluster, slices, claims)
     plugin = await dra.install()
     await dra.admission(plugin)
     await dra.admission_in_another_namespace()
     await dra.claims_served()
     await dra.extended_resource()
+    await dra.node_attributes()
     await dra.device_removed()
     await dra.restarts()
     await dra.rolling_update()
     await dra.api_server_outage()
+    await dra.no_execute()
