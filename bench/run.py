@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -25,25 +23,18 @@ from pathlib import Path
 
 from bench import hostile, rollout, scenarios
 from bench.harness import IMAGE_ENV, Bench, bytecode_env
-from bench.report import Report
+from bench.report import Report, report_footer, report_header
 from pcc_plugin.sim import FakeNode, SimKubelet
 
 
 def machine() -> list[str]:
-    usable = len(os.sched_getaffinity(0))
-    return [
+    return report_header(
         "pcc-device-plugin benchmark: the real daemon against the simulated kubelet",
-        f"machine: {os.cpu_count()} cores ({usable} usable), {platform.machine()}, "
-        f"Linux {platform.release()}",
-        f"python: {platform.python_implementation()} {platform.python_version()} "
-        f"({sys.executable})",
         "daemon: python -m pcc_plugin --v=0 --metrics-bind-address=127.0.0.1:0 on a fake node; "
         "kubelet: pcc_plugin.sim.SimKubelet (grpcio) in the benchmark's process",
         "bytecode: compiled once into a temporary PYTHONPYCACHEPREFIX, as in the image; "
         f"environment as in the image: {' '.join(f'{k}={v}' for k, v in IMAGE_ENV.items())}",
-        "load average (1, 5, 15 min) at the start: "
-        + ", ".join(f"{load:.2f}" for load in os.getloadavg()),
-    ]
+    )
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -87,10 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     header = machine()
     report = run(args)
-    header.append(
-        f"took {time.monotonic() - started:.0f} s; load average at the end: "
-        + ", ".join(f"{load:.2f}" for load in os.getloadavg())
-    )
+    header.append(report_footer(started))
     header.append(f"command: {' '.join(sys.argv)}")
     print(report.render(header))
     if args.json:
