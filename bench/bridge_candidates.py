@@ -2,8 +2,9 @@
 
 Each candidate serves the daemon's shape, reduced to its crossings: trio accepts a connection
 on a unix socket and hands it to asyncio (`call_asyncio`), grpclib answers a unary call there,
-each call tells trio it ended (the connection watcher's notification), and the connection's
-close wakes the trio task that owns it. A grpcio client in this process drives it.
+and the connection's close wakes the trio task that owns it. In the ``+notify`` rows each call
+also wakes a trio task as it ends (what the daemon's connection watcher needed of every call
+until it learned to wait for the last one only). A grpcio client in this process drives it.
 
 - ``guest``: trio as a guest of an asyncio host loop, one thread (`trio.lowlevel.start_guest_run`);
   asyncio code calls trio's sync API directly, trio code asyncio's.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 import socket
 import statistics
@@ -160,7 +162,7 @@ class _Protocol(asyncio.Protocol):
         self._lost()
 
 
-async def serve(candidate: Candidate, path: str) -> None:
+async def serve(candidate: Candidate, path: str, notify: bool) -> None:
     # Set at each call's end, for a trio task that waits for it (the connection watcher).
     call_ended = [trio.Event()]
 
@@ -175,7 +177,8 @@ async def serve(candidate: Candidate, path: str) -> None:
     async def call(stream: _grpclib.ServerStream) -> None:
         await stream.recv_message()
         await stream.send_message(ANSWER)
-        candidate.notify(ended)
+        if notify:
+            candidate.notify(ended)
 
     grpc = _grpclib.server({METHOD: (call, False)}, lambda path, stream: None, 65535)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -203,13 +206,14 @@ async def serve(candidate: Candidate, path: str) -> None:
         await trio.sleep_forever()
 
 
-def measure(name: str) -> dict[str, float] | None:
+def measure(name: str, notify: bool) -> dict[str, float] | None:
     import grpc
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.sock"
         server = subprocess.Popen(
-            [sys.executable, "-m", "bench.bridge_candidates", "serve", name, str(path)],
+            [sys.executable, "-m", "bench.bridge_candidates", "serve", name, str(path),
+             "notify" if notify else "quiet"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
@@ -254,19 +258,20 @@ def measure(name: str) -> dict[str, float] | None:
 
 def main() -> None:
     if sys.argv[1:2] == ["serve"]:
-        name, path = sys.argv[2], sys.argv[3]
+        name, path, mode = sys.argv[2:5]
         candidate = CANDIDATES[name]()
-        candidate.run(functools.partial(serve, path=path))
+        candidate.run(functools.partial(serve, path=path, notify=mode == "notify"))
         return
     print(f"Python {sys.version.split()[0]}, trio {trio.__version__}; {CALLS} calls, "
           f"{DIALS} dials, {IDLE:g} s idle per candidate")  # fmt: skip
     print(f"{'candidate':<14}{'p50 µs':>9}{'p99 µs':>9}{'CPU/call µs':>13}{'CPU/dial µs':>13}"
           f"{'idle CPU ms':>13}")  # fmt: skip
     for _ in range(3):
-        for name in CANDIDATES:
-            figures = measure(name)
+        for name, notify in itertools.product(CANDIDATES, (False, True)):
+            figures = measure(name, notify)
             if figures is not None:
-                print(f"{name:<14}{figures['p50_us']:>9.0f}{figures['p99_us']:>9.0f}"
+                label = f"{name}{' +notify' if notify else ''}"
+                print(f"{label:<14}{figures['p50_us']:>9.0f}{figures['p99_us']:>9.0f}"
                       f"{figures['cpu_per_call_us']:>13.0f}{figures['cpu_per_dial_us']:>13.0f}"
                       f"{figures['idle_cpu_ms']:>13.2f}")  # fmt: skip
 

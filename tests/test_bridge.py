@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 import pytest
@@ -63,6 +64,35 @@ async def test_cancelled_from_trio_the_asyncio_task_is_cancelled_and_waited_for(
             await trio.testing.wait_all_tasks_blocked()
             nursery.cancel_scope.cancel()
     assert seen == ["cancelled", "cleaned up"]
+
+
+async def test_what_an_asyncio_task_raises_as_trio_cancels_it_is_not_reported_as_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """grpclib's client raises StreamTerminatedError, not CancelledError, when its connection
+    is lost as it is cancelled: asyncio would log it as never retrieved when the task goes."""
+
+    async def fails_as_it_is_cancelled() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise ConnectionResetError("lost as it was cancelled") from None
+
+    async def fails_as_trio_cancels(scope: trio.CancelScope) -> None:
+        # Ends before trio's side runs again, which then finds it done, and is cancelled.
+        scope.cancel()
+        raise ConnectionResetError("lost as trio cancelled the call")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bridge.call_asyncio, fails_as_it_is_cancelled)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        with trio.CancelScope() as scope:
+            await bridge.call_asyncio(fails_as_trio_cancels, scope)
+    assert scope.cancelled_caught
+    gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_cancelled_from_asyncio_the_trio_task_is_cancelled_and_waited_for() -> None:
