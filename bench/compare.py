@@ -281,15 +281,18 @@ def one_after_another(
     with plugin_channel(socket_path) as channel:
         method = allocate_method(channel)
         timed_allocates(method, 200, running.device_id)
+        switches = procfs.wakeups(pid)
         for _ in range(sizes.rounds):
             round_latencies, per_call = scenarios.sequential(
                 pid, method, sizes.per_round, running.device_id
             )
             latencies += round_latencies
             cpu.append(per_call)
+        switches = procfs.wakeups(pid) - switches
     raw["allocate"] = {"unloaded_s": latencies, "cpu_s": cpu}
     return {
         "allocate_cpu_us": statistics.median(cpu) * 1e6,
+        "allocate_switches": switches / len(latencies),
         "p50_ms": percentile(latencies, 50) * 1e3,
         "p99_ms": percentile(latencies, 99) * 1e3,
     }
@@ -340,6 +343,9 @@ def turn(bench: Bench, contender: Contender, sizes: Sizes) -> dict[str, float]:
         bench, running.daemon, running.endpoint, contender.restarts_of(sizes), sizes.dials
     )
     figures["dial_back_us"] = bench.report.figures["dial_back_cpu_s"]["daemon"] * 1e6
+    restarted = bench.report.figures["restarts"]
+    figures["restart_cpu_us"] = restarted["cpu_ns"] / 1e3 / contender.restarts_of(sizes)
+    figures["restart_switches"] = restarted["context_switches"] / contender.restarts_of(sizes)
     registered = [i["accepted"] - i["serving"] for i in bench.report.figures["restart_instants"]]
     figures["restart_p50_ms"] = percentile(registered, 50) * 1e3
     figures["restart_p99_ms"] = percentile(registered, 99) * 1e3
@@ -373,6 +379,7 @@ def _rows(sizes: Sizes) -> list[Row]:
         (window.format(third, fourth), f"after_{third}_{fourth}", fixed(2)),
         ("CPU per kubelet dial-back (us)", "dial_back_us", fixed(0)),
         ("CPU per Allocate, one after another (us)", "allocate_cpu_us", fixed(0)),
+        ("  context switches per Allocate (every thread)", "allocate_switches", fixed(2)),
         ("Allocate p50, unloaded (ms)", "p50_ms", ms_value),
         ("Allocate p99, unloaded (ms)", "p99_ms", ms_value),
         ("Allocate p50 / p99 beside (a) 1,000 idle connections (ms)", "a", ms_value),
@@ -383,6 +390,8 @@ def _rows(sizes: Sizes) -> list[Row]:
         ("  the callers' process, cores busy", "callers_client_cores", fixed(2)),
         ("kubelet restart -> registered, p50 (ms)", "restart_p50_ms", ms_value),
         ("kubelet restart -> registered, p99 (ms)", "restart_p99_ms", ms_value),
+        ("  CPU per restart (us)", "restart_cpu_us", fixed(0)),
+        ("  context switches per restart (every thread)", "restart_switches", fixed(1)),
     ]  # fmt: skip
 
 

@@ -298,15 +298,17 @@ def restarts(bench: Bench, daemon: Daemon, endpoint: str, count: int, dials: int
                f"{cpu * 1e6:.0f} us")  # fmt: skip
     before_fds, before_rss = daemon.open_fds(), procfs.proc_status(daemon.pid)["VmRSS"]
     calls_before = kubelet.register_calls
-    busy = procfs.cpu_ns(daemon.pid)
+    busy, switches = procfs.cpu_ns(daemon.pid), procfs.wakeups(daemon.pid)
     instants = _restart_instants(bench, count)
     busy = procfs.cpu_ns(daemon.pid) - busy
+    switches = procfs.wakeups(daemon.pid) - switches
     # Whatever a last restart set in motion has settled once the stream is open again.
     after_fds, after_rss = daemon.open_fds(), procfs.proc_status(daemon.pid)["VmRSS"]
     calls = kubelet.register_calls - calls_before
     report.figures["restart_instants"] = instants
     report.figures["restarts"] = {
         "fds": [before_fds, after_fds], "rss_kib": [before_rss, after_rss], "register_calls": calls,
+        "cpu_ns": busy, "context_switches": switches,
     }  # fmt: skip
 
     def span(start: str, end: str) -> list[float]:
@@ -329,6 +331,7 @@ def restarts(bench: Bench, daemon: Daemon, endpoint: str, count: int, dials: int
                _p50_p99(span("serving", "first_list")))  # fmt: skip
     report.add("Register calls per restart", f"{calls / count:.2f} ({calls} calls)")
     report.add("CPU per restart, the daemon (schedstat)", f"{busy / count / 1e3:.0f} us")
+    report.add("  context switches per restart (every thread)", f"{switches / count:.1f}")
     report.add("open fds; VmRSS: before -> after",
                f"{before_fds} -> {after_fds}; {mib(before_rss)} -> {mib(after_rss)}")  # fmt: skip
 
