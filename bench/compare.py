@@ -35,7 +35,10 @@ must hold only the burst's. The windows start 33 s after the start, past the sta
 deadlines but its connection's 60 s idle one, which falls between them.
 
 Every CPU figure is the process's CPU clock (every thread's schedstat, the exited ones' too);
-clock ticks (utime + stime, what top shows) are printed beside the windows'.
+clock ticks (utime + stime, what top shows) are printed beside the windows'. Context switches
+are every live thread's. How long the contender waited for a CPU while Allocate's latencies
+were timed (schedstat's run delay, every live thread's, over the wall time) says how much of
+those latencies the machine's other load made: on a shared 2-core machine, often most.
 """
 
 from __future__ import annotations
@@ -330,11 +333,14 @@ def turn(bench: Bench, contender: Contender, sizes: Sizes) -> dict[str, float]:
     idle = scenarios.idle_cpu(pid, sizes.idle)
     figures |= {"idle_ms": idle["ns"] / 1e6, "idle_ticks": idle["ticks"]}
     figures |= after_burst(running, socket_path, sizes)
+    waited, started = procfs.run_delay_ns(pid), time.monotonic()
     figures |= one_after_another(running, socket_path, sizes, bench.report.figures)
     scenarios.under_hostile_loads(
         bench, running.daemon, running.endpoint, sizes.hostile_least, sizes.hostile_seconds,
         port=running.port, device_id=running.device_id,
     )  # fmt: skip
+    waited = procfs.run_delay_ns(pid) - waited
+    figures["run_delay_pct"] = waited / 1e9 / (time.monotonic() - started) * 100
     for load, latencies in zip("abc", bench.report.figures["hostile_s"].values(), strict=True):
         figures[f"{load}_p50_ms"] = percentile(latencies, 50) * 1e3
         figures[f"{load}_p99_ms"] = percentile(latencies, 99) * 1e3
@@ -385,6 +391,7 @@ def _rows(sizes: Sizes) -> list[Row]:
         ("Allocate p50 / p99 beside (a) 1,000 idle connections (ms)", "a", ms_value),
         ("Allocate p50 / p99 beside (b) 4 MiB messages in a loop (ms)", "b", ms_value),
         ("Allocate p50 / p99 beside (c) /metrics at 250/s (ms)", "c", ms_value),
+        ("  while these were timed: waited for a CPU, % (run delay)", "run_delay_pct", fixed(0)),
         (f"{CALLERS} connections calling at once (calls/s)", "callers_per_s", fixed(0)),
         ("  server CPU per call (us)", "callers_cpu_us", fixed(0)),
         ("  the callers' process, cores busy", "callers_client_cores", fixed(2)),

@@ -75,6 +75,16 @@ def cpu_ns(pid: int) -> int:
     return time.clock_gettime_ns(clock.value)
 
 
+def run_delay_ns(pid: int) -> int:
+    """How long the live threads of `pid` have waited for a CPU while ready to run, in ns
+    (schedstat's second field): what a loaded machine adds to every latency."""
+    total = 0
+    for task in _tasks(pid):
+        with contextlib.suppress(FileNotFoundError):
+            total += int((task / "schedstat").read_text().split()[1])
+    return total
+
+
 def wakeups(pid: int) -> int:
     """Context switches of every thread: each is a wake-up or a preemption."""
     total = 0
