@@ -1,6 +1,6 @@
 """Before and after trio-asyncio, and the Go peer, side by side in one run (issue 36, item 5).
 
-    nox -s bench -- --compare [REV]            # about 14 minutes on 2 cores; REV: 32b7764
+    nox -s bench -- --compare [REV]            # about 15 minutes on 2 cores; REV: 32b7764
     nox -s bench -- --compare --quick          # one short turn each: checks the script
     python -m bench.compare [--compare REV] [--passes N] [--quick] [--json PATH]
 
@@ -32,7 +32,7 @@ socket once a second and then waits 5 s before it serves again). The burst comes
 everything else but the start: the old daemon's loop woke for each cancelled asyncio timer
 when it fell due (up to 60 s after the call that armed it), and the windows after the burst
 must hold only the burst's. The windows start 33 s after the start, past the start's own
-deadlines but its connection's 60 s idle one, which falls between them.
+deadlines but the 60 s idle deadline of kubelet's connection, which falls in the middle window.
 
 Every CPU figure is the process's CPU clock (every thread's schedstat, the exited ones' too);
 clock ticks (utime + stime, what top shows) are printed beside the windows'. Context switches
@@ -136,7 +136,7 @@ class Contender:
 
 def _registered(bench: Bench, spawn: Callable[[], Daemon]) -> tuple[Daemon, str, str, float]:
     """`spawn()` once registered with a full list: it, its endpoint, the first of its device
-    IDs (the order is the simulated kubelet's, by ID) and its start -> registered in s."""
+    IDs in the simulated kubelet's list (the lowest) and its start -> registered in s."""
     before = len(accepted(bench.kubelet))
     started = time.monotonic()
     daemon = spawn()
