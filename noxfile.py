@@ -437,7 +437,8 @@ def bench(session: nox.Session) -> None:
     """The real daemon against the simulated kubelet: one table of figures, PASS/MISS per target.
 
     2 to 3 minutes on 2 cores; BENCHMARKS.md records a run. Arguments go to bench/run.py
-    (--quick, --json PATH, --strict).
+    (--quick, --json PATH, --strict; --compare [REV]: issue 36's before, after and Go peer
+    side by side, bench/compare.py, which uses the uv on PATH and go).
     """
     install_dev(session)
     # tools/ for the e2e's Go yardstick, whose restarts it prints beside the daemon's.

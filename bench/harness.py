@@ -33,6 +33,8 @@ ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
 LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
 OPTIONS = "/v1beta1.DevicePlugin/GetDevicePluginOptions"
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
+# The ID the daemon gives its first share; another plugin (the Go peer) names its own.
+DEVICE_ID = "pcc-0"
 WAIT = 30.0
 # What the Containerfile sets for the daemon: no docstrings, asserts or column offsets in memory.
 IMAGE_ENV = {"PYTHONOPTIMIZE": "2", "PYTHONNODEBUGRANGES": "1"}
@@ -40,8 +42,9 @@ IMAGE_ENV = {"PYTHONOPTIMIZE": "2", "PYTHONNODEBUGRANGES": "1"}
 DAEMON_MODULES = "pcc_plugin.main, pcc_plugin.supervisor, pcc_plugin.http_server, h11"
 
 
-def bytecode_env(cache: Path) -> dict[str, str]:
-    """Compiled bytecode in `cache`, as the image has it (its build compiles what it installs).
+def bytecode_env(cache: Path, python: str = sys.executable, tree: Path = ROOT) -> dict[str, str]:
+    """Compiled bytecode in `cache`, as the image has it (its build compiles what it installs):
+    the daemon of `tree` (a checkout) as `python` imports it.
 
     Without it, a checkout with PYTHONDONTWRITEBYTECODE=1 (as here) compiles the daemon's own
     modules at every start, which the image never does.
@@ -49,8 +52,8 @@ def bytecode_env(cache: Path) -> dict[str, str]:
     env = {"PYTHONPYCACHEPREFIX": str(cache), "PYTHONDONTWRITEBYTECODE": ""}
     for optimize in ("", "2"):
         subprocess.run(
-            [sys.executable, "-c", f"import {DAEMON_MODULES}"],
-            check=True, cwd=ROOT,
+            [python, "-c", f"import {DAEMON_MODULES}"],
+            check=True, cwd=tree,
             env={**os.environ, **env, **IMAGE_ENV, "PYTHONOPTIMIZE": optimize},
             timeout=WAIT,
         )  # fmt: skip
@@ -142,11 +145,16 @@ def allocate_method(channel: Any) -> Any:
     )
 
 
-def timed_allocates(method: Any, count: int) -> list[float]:
-    """Round trips of `count` Allocate calls as kubelet makes them: one container request."""
-    request = pb.AllocateRequest(
-        container_requests=[pb.ContainerAllocateRequest(devices_ids=["pcc-0"])]
+def allocate_request(device_id: str = DEVICE_ID) -> Any:
+    """An AllocateRequest as kubelet sends it: one container request, one device."""
+    return pb.AllocateRequest(
+        container_requests=[pb.ContainerAllocateRequest(devices_ids=[device_id])]
     )
+
+
+def timed_allocates(method: Any, count: int, device_id: str = DEVICE_ID) -> list[float]:
+    """Round trips of `count` Allocate calls as kubelet makes them: one container request."""
+    request = allocate_request(device_id)
     latencies = []
     for _ in range(count):
         started = time.perf_counter()
@@ -174,9 +182,10 @@ class Bench:
         self.cleanup.callback(daemon.close)
         return daemon
 
-    def spawn_program(self, *argv: str, name: str) -> Daemon:
-        """Another plugin than the daemon (the Go yardstick), stopped at the end like it."""
-        program = Daemon(list(argv), self.log_path(name))
+    def spawn_program(self, *argv: str, name: str, env: Mapping[str, str] | None = None) -> Daemon:
+        """Another plugin than this tree's daemon (the Go yardstick, an older daemon), stopped
+        at the end like it; `env` is added to this process's environment."""
+        program = Daemon(list(argv), self.log_path(name), env)
         self.cleanup.callback(program.close)
         return program
 
@@ -226,8 +235,12 @@ def scrape(port: int, path: str = "/metrics") -> bytes:
         return body
 
 
-def probed_and_scraped(daemon: Daemon) -> None:
-    """What a node does to the daemon within seconds of its start: a scrape and both probes."""
-    port = metrics_port(daemon)
-    for path in ("/metrics", "/livez", "/readyz"):
+# The daemon's scrape and probes.
+PROBES = ("/metrics", "/livez", "/readyz")
+
+
+def probed_and_scraped(port: int, paths: tuple[str, ...] = PROBES) -> None:
+    """What a node does to a plugin within seconds of its start: a scrape and its probes, here
+    on its metrics `port`."""
+    for path in paths:
         scrape(port, path)

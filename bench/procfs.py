@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import time
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def _kib_fields(path: str) -> dict[str, int]:
@@ -57,11 +60,28 @@ def _tasks(pid: int) -> list[Path]:
 
 
 def cpu_ns(pid: int) -> int:
-    """CPU time of every thread in ns (schedstat): finer than the 10 ms ticks of /proc/pid/stat."""
+    """CPU time of every thread in ns, the exited ones' too: finer than the 10 ms ticks of
+    /proc/pid/stat.
+
+    This is the process's CPU clock (clock_getcpuclockid(3)), the sum of its threads'
+    schedstat run times and of those its exited threads had. Summing
+    /proc/<pid>/task/*/schedstat would lose a thread's time when it exits (trio's worker
+    threads do, 10 s after their last job), and a window in which one exits would read less.
+    """
+    clock = ctypes.c_int()
+    error = _LIBC.clock_getcpuclockid(pid, ctypes.byref(clock))
+    if error:
+        raise OSError(error, f"clock_getcpuclockid({pid}): {os.strerror(error)}")
+    return time.clock_gettime_ns(clock.value)
+
+
+def run_delay_ns(pid: int) -> int:
+    """How long the live threads of `pid` have waited for a CPU while ready to run, in ns
+    (schedstat's second field): what a loaded machine adds to every latency."""
     total = 0
     for task in _tasks(pid):
         with contextlib.suppress(FileNotFoundError):
-            total += int((task / "schedstat").read_text().split()[0])
+            total += int((task / "schedstat").read_text().split()[1])
     return total
 
 

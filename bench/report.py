@@ -3,10 +3,37 @@
 from __future__ import annotations
 
 import math
+import os
+import platform
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
+
+
+def report_header(title: str, *about: str) -> list[str]:
+    """The first lines of a run's output: what it is, the machine, the interpreter, `about`
+    (what runs), and the load average at the start (the machine is shared)."""
+    usable = len(os.sched_getaffinity(0))
+    return [
+        title,
+        f"machine: {os.cpu_count()} cores ({usable} usable), {platform.machine()}, "
+        f"Linux {platform.release()}",
+        f"python: {platform.python_implementation()} {platform.python_version()} "
+        f"({sys.executable})",
+        *about,
+        "load average (1, 5, 15 min) at the start: "
+        + ", ".join(f"{load:.2f}" for load in os.getloadavg()),
+    ]
+
+
+def report_footer(started: float) -> str:
+    """How long a run took since `started` (time.monotonic()), and the load average now."""
+    return f"took {time.monotonic() - started:.0f} s; load average at the end: " + ", ".join(
+        f"{load:.2f}" for load in os.getloadavg()
+    )
 
 
 def percentile(values: Sequence[float], pct: float) -> float:

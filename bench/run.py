@@ -3,12 +3,14 @@
     nox -s bench                         # the full run: about three minutes on 2 cores
     python -m bench.run --quick          # fewer repetitions: checks the script, not the daemon
     python -m bench.run --json out.json  # also write the raw figures
+    nox -s bench -- --compare [REV]      # instead: before (REV), after and the Go peer
 
 Each figure with a target (written for a 2-core machine) is marked PASS or MISS; the exit
 code is 0 either way unless ``--strict`` is given. BENCHMARKS.md records runs. The parts:
 `harness` (the daemon on a fake node, a grpcio client), `procfs` (readings), `scenarios` (the
 targets and what is judged against them), `hostile` (hostile clients, peak memory),
-`rollout` (two instances), `image` (the daemon from the built image), `report` (the table).
+`rollout` (two instances), `image` (the daemon from the built image), `report` (the table);
+`compare` runs issue 36's comparison (its own table, its own docstring).
 """
 
 from __future__ import annotations
@@ -16,34 +18,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import hostile, rollout, scenarios
+from bench import compare, hostile, rollout, scenarios
 from bench.harness import IMAGE_ENV, Bench, bytecode_env
-from bench.report import Report
+from bench.report import Report, report_footer, report_header
 from pcc_plugin.sim import FakeNode, SimKubelet
 
 
 def machine() -> list[str]:
-    usable = len(os.sched_getaffinity(0))
-    return [
+    return report_header(
         "pcc-device-plugin benchmark: the real daemon against the simulated kubelet",
-        f"machine: {os.cpu_count()} cores ({usable} usable), {platform.machine()}, "
-        f"Linux {platform.release()}",
-        f"python: {platform.python_implementation()} {platform.python_version()} "
-        f"({sys.executable})",
         "daemon: python -m pcc_plugin --v=0 --metrics-bind-address=127.0.0.1:0 on a fake node; "
         "kubelet: pcc_plugin.sim.SimKubelet (grpcio) in the benchmark's process",
         "bytecode: compiled once into a temporary PYTHONPYCACHEPREFIX, as in the image; "
         f"environment as in the image: {' '.join(f'{k}={v}' for k, v in IMAGE_ENV.items())}",
-        "load average (1, 5, 15 min) at the start: "
-        + ", ".join(f"{load:.2f}" for load in os.getloadavg()),
-    ]
+    )
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -76,7 +69,15 @@ def run(args: argparse.Namespace) -> Report:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(arg == "--compare" or arg.startswith("--compare=") for arg in argv):
+        return compare.main(argv)
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--compare", nargs="?", metavar="REV",
+        help=f"instead: the daemon at REV ({compare.BEFORE}), this tree's and the Go peer side "
+        "by side (bench/compare.py; --quick, --passes N, --json PATH)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     parser.add_argument("--restarts", type=int, default=200, help="kubelet restarts (200)")
     parser.add_argument("--idle-seconds", type=float, default=30.0, help="idle CPU window (30)")
@@ -87,10 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     header = machine()
     report = run(args)
-    header.append(
-        f"took {time.monotonic() - started:.0f} s; load average at the end: "
-        + ", ".join(f"{load:.2f}" for load in os.getloadavg())
-    )
+    header.append(report_footer(started))
     header.append(f"command: {' '.join(sys.argv)}")
     print(report.render(header))
     if args.json:

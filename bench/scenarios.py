@@ -20,6 +20,8 @@ from e2e.images import YARDSTICK_SOURCE, go_build
 
 from bench import hostile, image, procfs
 from bench.harness import (
+    DEVICE_ID,
+    PROBES,
     RESOURCE,
     ROOT,
     Bench,
@@ -91,10 +93,11 @@ def _idle_memory(report: Report, pid: int, label: str) -> dict[str, int]:
     return figures
 
 
-def _settled_and_scraped(daemon: Daemon) -> None:
-    """Let the start settle (first stream, first health look), then probe and scrape it."""
+def settled_and_scraped(port: int, paths: tuple[str, ...] = PROBES) -> None:
+    """Let a start settle (first stream, first health look), then probe and scrape the plugin
+    on its metrics `port`."""
     time.sleep(2)
-    probed_and_scraped(daemon)
+    probed_and_scraped(port, paths)
     time.sleep(1)
 
 
@@ -103,19 +106,11 @@ def idle(bench: Bench, cpu_seconds: float) -> Daemon:
     report = bench.report
     report.section("idle: registered, kubelet's stream open, probed and scraped once, then nothing")
     daemon, _ = bench.start()
-    _settled_and_scraped(daemon)
+    settled_and_scraped(metrics_port(daemon))
     report.figures["idle_kib"] = _idle_memory(report, daemon.pid, "dev venv")
-    ticks, ns = procfs.cpu_ticks(daemon.pid), procfs.cpu_ns(daemon.pid)
-    switches = procfs.wakeups(daemon.pid)
-    started = time.monotonic()
-    time.sleep(cpu_seconds)
-    elapsed = time.monotonic() - started
-    ticks = procfs.cpu_ticks(daemon.pid) - ticks
-    ns = procfs.cpu_ns(daemon.pid) - ns
-    switches = procfs.wakeups(daemon.pid) - switches
-    report.figures["idle_cpu"] = {
-        "seconds": elapsed, "ticks": ticks, "ns": ns, "context_switches": switches,
-    }  # fmt: skip
+    figures = report.figures["idle_cpu"] = idle_cpu(daemon.pid, cpu_seconds)
+    elapsed, ticks, ns = figures["seconds"], figures["ticks"], figures["ns"]
+    switches = figures["context_switches"]
     report.check(
         f"idle CPU over {elapsed:.0f} s: clock ticks charged (/proc/<pid>/stat)",
         f"{ticks} ticks of {1000 // procfs.CLOCK_TICKS} ms",
@@ -131,11 +126,28 @@ def idle(bench: Bench, cpu_seconds: float) -> Daemon:
     return daemon
 
 
-def _sequential(pid: int, method: Any, calls: int) -> tuple[list[float], float]:
+def idle_cpu(pid: int, seconds: float) -> dict[str, float]:
+    """What process `pid` costs while nothing is asked of it for `seconds`: clock ticks, ns of
+    CPU (every thread) and context switches."""
+    ticks, ns = procfs.cpu_ticks(pid), procfs.cpu_ns(pid)
+    switches = procfs.wakeups(pid)
+    started = time.monotonic()
+    time.sleep(seconds)
+    return {
+        "seconds": time.monotonic() - started,
+        "ticks": procfs.cpu_ticks(pid) - ticks,
+        "ns": procfs.cpu_ns(pid) - ns,
+        "context_switches": procfs.wakeups(pid) - switches,
+    }
+
+
+def sequential(
+    pid: int, method: Any, calls: int, device_id: str = DEVICE_ID
+) -> tuple[list[float], float]:
     """Latencies of `calls` Allocates one after another, and the server's CPU per call in s."""
     with no_gc():
         busy = procfs.cpu_ns(pid)
-        latencies = timed_allocates(method, calls)
+        latencies = timed_allocates(method, calls, device_id)
         busy = procfs.cpu_ns(pid) - busy
     return latencies, busy / 1e9 / calls
 
@@ -164,10 +176,10 @@ def allocate(bench: Bench, pid: int, endpoint: str, calls: int, rounds: int) -> 
         timed_allocates(daemon_method, 200)
         timed_allocates(yardstick_method, 200)
         for _ in range(rounds):
-            round_latencies, cpu = _sequential(pid, daemon_method, per_round)
+            round_latencies, cpu = sequential(pid, daemon_method, per_round)
             latencies += round_latencies
             ours.append(cpu)
-            theirs.append(_sequential(server.pid, yardstick_method, per_round)[1])
+            theirs.append(sequential(server.pid, yardstick_method, per_round)[1])
     report.figures["allocate"] = {"unloaded_s": latencies, "cpu_s": ours, "grpcio_cpu_s": theirs}
     _judge_allocates(report, "unloaded", latencies)
     ratios = sorted(daemon / grpcio for daemon, grpcio in zip(ours, theirs, strict=True))
@@ -178,19 +190,23 @@ def allocate(bench: Bench, pid: int, endpoint: str, calls: int, rounds: int) -> 
     )
 
 
-def _timed_while(method: Any, busy: Callable[[], bool], least: int) -> list[float]:
+def _timed_while(method: Any, busy: Callable[[], bool], least: int, device_id: str) -> list[float]:
     """Allocate round trips, one after another, while `busy()` (and at least `least` of them)."""
     latencies: list[float] = []
     while busy() or len(latencies) < least:
-        latencies += timed_allocates(method, 10)
+        latencies += timed_allocates(method, 10, device_id)
     return latencies
 
 
 def under_hostile_loads(
-    bench: Bench, daemon: Daemon, endpoint: str, least: int, seconds: float
-) -> None:
+    bench: Bench, daemon: Daemon, endpoint: str, least: int, seconds: float,
+    *, port: int | None = None, device_id: str = DEVICE_ID,
+) -> None:  # fmt: skip
     """Allocate from a well-behaved client while (a) 1,000 idle connections are held to the
-    plugin socket, (b) a client sends 4 MiB messages in a loop, (c) /metrics is flooded."""
+    plugin socket, (b) a client sends 4 MiB messages in a loop, (c) /metrics is flooded.
+
+    `port` is the plugin's metrics port (the daemon's, from its log, by default); the calls
+    ask for `device_id`."""
     report = bench.report
     report.section("Allocate beside hostile clients, one load at a time")
     path = bench.socket(endpoint)
@@ -202,7 +218,7 @@ def under_hostile_loads(
 
     with plugin_channel(path) as channel:
         method = allocate_method(channel)
-        timed_allocates(method, 200)
+        timed_allocates(method, 200, device_id)
         rss_before = procfs.proc_status(daemon.pid)["VmRSS"]
         held: list[socket.socket] = []
         opened = threading.Event()
@@ -210,7 +226,7 @@ def under_hostile_loads(
         try:
             until = time.monotonic() + seconds
             latencies = _timed_while(
-                method, lambda: not opened.is_set() or time.monotonic() < until, least
+                method, lambda: not opened.is_set() or time.monotonic() < until, least, device_id
             )
             rss_during = procfs.proc_status(daemon.pid)["VmRSS"]
             fds = procfs.open_fds(daemon.pid)
@@ -222,15 +238,15 @@ def under_hostile_loads(
                    f"{mib(rss_before)} / {mib(rss_during)}; {fds}")  # fmt: skip
 
         with hostile.client("large", str(path), str(seconds)) as large:
-            latencies = _timed_while(method, lambda: large.poll() is None, least)
+            latencies = _timed_while(method, lambda: large.poll() is None, least, device_id)
             sent, refused = hostile.outcome(large)
         judge("(b) 4 MiB messages in a loop", latencies)
         report.add("  4 MiB messages sent / refused INVALID_ARGUMENT", f"{sent} / {refused}")
 
-        port = str(metrics_port(daemon))
+        metrics = str(metrics_port(daemon) if port is None else port)
         rate = str(hostile.FLOOD_RATE)
-        with hostile.client("metrics", port, str(seconds), rate) as flood:
-            latencies = _timed_while(method, lambda: flood.poll() is None, least)
+        with hostile.client("metrics", metrics, str(seconds), rate) as flood:
+            latencies = _timed_while(method, lambda: flood.poll() is None, least, device_id)
             sent, answered = hostile.outcome(flood)
         judge(f"(c) /metrics at {hostile.FLOOD_RATE:.0f} requests/s", latencies)
         report.add("  /metrics requests answered 200", f"{answered} of {sent}")
@@ -282,15 +298,17 @@ def restarts(bench: Bench, daemon: Daemon, endpoint: str, count: int, dials: int
                f"{cpu * 1e6:.0f} us")  # fmt: skip
     before_fds, before_rss = daemon.open_fds(), procfs.proc_status(daemon.pid)["VmRSS"]
     calls_before = kubelet.register_calls
-    busy = procfs.cpu_ns(daemon.pid)
+    busy, switches = procfs.cpu_ns(daemon.pid), procfs.wakeups(daemon.pid)
     instants = _restart_instants(bench, count)
     busy = procfs.cpu_ns(daemon.pid) - busy
+    switches = procfs.wakeups(daemon.pid) - switches
     # Whatever a last restart set in motion has settled once the stream is open again.
     after_fds, after_rss = daemon.open_fds(), procfs.proc_status(daemon.pid)["VmRSS"]
     calls = kubelet.register_calls - calls_before
     report.figures["restart_instants"] = instants
     report.figures["restarts"] = {
         "fds": [before_fds, after_fds], "rss_kib": [before_rss, after_rss], "register_calls": calls,
+        "cpu_ns": busy, "context_switches": switches,
     }  # fmt: skip
 
     def span(start: str, end: str) -> list[float]:
@@ -313,6 +331,7 @@ def restarts(bench: Bench, daemon: Daemon, endpoint: str, count: int, dials: int
                _p50_p99(span("serving", "first_list")))  # fmt: skip
     report.add("Register calls per restart", f"{calls / count:.2f} ({calls} calls)")
     report.add("CPU per restart, the daemon (schedstat)", f"{busy / count / 1e3:.0f} us")
+    report.add("  context switches per restart (every thread)", f"{switches / count:.1f}")
     report.add("open fds; VmRSS: before -> after",
                f"{before_fds} -> {after_fds}; {mib(before_rss)} -> {mib(after_rss)}")  # fmt: skip
 
@@ -396,7 +415,7 @@ def _image_starts(bench: Bench, starts: int) -> list[float]:
             with image.running(bench, config, root) as (daemon, took):
                 times.append(took)
                 if start == 0:
-                    _settled_and_scraped(daemon)
+                    settled_and_scraped(metrics_port(daemon))
                     bench.report.figures["image_idle_kib"] = _idle_memory(
                         bench.report, daemon.pid, "image"
                     )
