@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> Report:
             scenarios.start_to_registered(bench, 3 if quick else 10)
             # One daemon from here to the restarts, as one node's runs for weeks.
             daemon = scenarios.idle(bench, 3 if quick else args.idle_seconds)
+            scenarios.dra_idle(bench)
             endpoint = kubelet.registrations[-1].endpoint
             scenarios.allocate(bench, daemon.pid, endpoint, 500 if quick else 5000,
                                2 if quick else 5)  # fmt: skip

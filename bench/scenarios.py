@@ -11,6 +11,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from bench.harness import (
     PROBES,
     RESOURCE,
     ROOT,
+    WAIT,
     Bench,
     accepted,
     allocate_method,
@@ -37,6 +39,8 @@ from bench.harness import (
 )
 from bench.report import Report, mib, ms, percentile
 from pcc_plugin.sim import Daemon, Registration
+from pcc_plugin.sim.apiserver import FakeApiServer
+from pcc_plugin.sim.dra import SimDraKubelet
 from pcc_plugin.sim.rules import HEALTHY, UNHEALTHY
 
 # Resident memory once registered, probed and scraped, then left alone.
@@ -54,6 +58,8 @@ SERVING_TO_REGISTER_P99_MS = 10
 DIAL_TO_FIRST_LIST_P99_MS = 5
 # The image's daemon, from its process's start to registered: every start of the run.
 IMAGE_START_TO_REGISTERED_MS = 1000
+# The DRA driver's node in the fake API server.
+DRA_NODE = "bench-node"
 
 
 def _p50_p99(values: Sequence[float]) -> str:
@@ -124,6 +130,34 @@ def idle(bench: Bench, cpu_seconds: float) -> Daemon:
         f"{switches} context switches",
     )
     return daemon
+
+
+def dra_idle(bench: Bench) -> None:
+    """The DRA driver's memory, measured as the device plugin's: registered with the simulated
+    kubelet's DRA side, its slices published to the fake API server, probed and scraped once,
+    then left alone. Printed beside the device plugin's (the two figures the docs quote)."""
+    report = bench.report
+    report.section("idle, the DRA driver: registered, slices published, probed and scraped once")
+    root = bench.node.root
+    with FakeApiServer() as api:
+        api.add_node(DRA_NODE)
+        with SimDraKubelet(root / "plugins_registry", DRA_NODE, api) as kubelet:
+            daemon = bench.spawn_program(
+                sys.executable, "-m", "pcc_plugin", "--mode=dra", f"--node-name={DRA_NODE}",
+                f"--kubeconfig={api.write_kubeconfig(root / 'kubeconfig')}",
+                f"--kubelet-registry-path={root / 'plugins_registry'}",
+                f"--kubelet-plugins-path={root / 'plugins'}", f"--cdi-spec-dir={root / 'cdi'}",
+                f"--host-root={bench.node.host_root}", "--metrics-bind-address=127.0.0.1:0",
+                "--v=0", name="dra-driver", env=bench.env,
+            )  # fmt: skip
+            kubelet.wait_for(lambda: any(r.error is None for r in kubelet.registrations), WAIT)
+            api.wait_for(lambda: len(api.slices(DRA_NODE)) > 0, WAIT)
+            settled_and_scraped(metrics_port(daemon))
+            figures = procfs.memory(daemon.pid)
+            report.figures["dra_idle_kib"] = figures
+            said = f"{mib(figures['VmRSS'])} (anonymous {mib(figures['RssAnon'])})"
+            report.add("idle VmRSS after a scrape, the DRA driver (dev venv)", said)
+            bench.stop(daemon)
 
 
 def idle_cpu(pid: int, seconds: float) -> dict[str, float]:
