@@ -1228,3 +1228,18 @@ def test_docs_quote_the_plugins_own_words() -> None:
     ):
         assert words in source, f"the plugin no longer says {words!r}"
         assert words in text, f"docs/deploy.md does not quote {words!r}"
+
+
+def test_the_docs_quote_one_idle_memory_figure_per_mode_the_bench_measured() -> None:
+    """docs/deploy.md and docs/dra.md give the figures BENCHMARKS.md records from the bench,
+    rounded, and no other."""
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    section = benchmarks[benchmarks.index("## Idle memory, as the docs quote it") :]
+    section = section[: section.index("\n## ")]
+    plugin = round(float(re.search(r"^\| device plugin \| ([\d.]+) MiB \|$", section, re.M)[1]))  # type: ignore[index]
+    driver = round(float(re.search(r"^\| DRA driver[^|]* \| ([\d.]+) MiB \|$", section, re.M)[1]))  # type: ignore[index]
+    deploy = docs_text()
+    dra = " ".join((ROOT / "docs" / "dra.md").read_text().split())
+    assert set(re.findall(r"about (\d+) MiB idle", deploy)) == {str(plugin)}
+    assert f"| memory (VmRSS, idle, measured below) | {plugin} MiB | {driver} MiB |" in dra
+    assert f"the device plugin about {plugin} MiB, the DRA driver about {driver} MiB" in dra
