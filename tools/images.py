@@ -222,14 +222,14 @@ def _base_key(base: Base) -> str:
     digest = hashlib.sha256(f"v{RECIPE} {suite_name} {arch.debian} minbase {PACKAGES}".encode())
     if arch == NATIVE:
         digest.update(f"build stage's base {UV_TOML!r}".encode())
-        for ca in _extra_cas():
+        for ca in extra_cas():
             digest.update(ca.name.encode() + b"\0" + ca.read_bytes())
         if PIP_CONF.exists():
             digest.update(b"pip.conf\0" + PIP_CONF.read_bytes())
     return f"{suite_name}-{arch.name}-{digest.hexdigest()[:12]}"
 
 
-def _extra_cas() -> list[Path]:
+def extra_cas() -> list[Path]:
     return sorted(EXTRA_CAS.glob("**/*.crt"))
 
 
@@ -255,7 +255,7 @@ def _unmount_below(path: Path) -> None:
             subprocess.run(["umount", "--lazy", target], check=False)
 
 
-def _run_logged(argv: Sequence[str], log_file: Path) -> None:
+def run_logged(argv: Sequence[str], log_file: Path) -> None:
     """Run `argv` with its output in `log_file`; on failure, raise with the log's last lines."""
     with log_file.open("ab") as out:
         out.write(f"$ {' '.join(argv)}\n".encode())
@@ -278,7 +278,7 @@ def _debootstrap(base: Base, tarball: Path, log: Log) -> None:
         rootfs = Path(tmp) / "rootfs"
         try:
             # A foreign architecture's second stage runs under qemu-user (binfmt_misc).
-            _run_logged(
+            run_logged(
                 [
                     "debootstrap", f"--arch={arch.debian}", "--variant=minbase",
                     f"--include={PACKAGES}", suite_name, str(rootfs),
@@ -292,7 +292,7 @@ def _debootstrap(base: Base, tarball: Path, log: Log) -> None:
                     if entry.is_file():
                         entry.unlink()
             partial = Path(tmp) / "base.tar"
-            _run_logged(
+            run_logged(
                 [
                     "tar", "--numeric-owner", "--exclude=./dev/*", "--exclude=./proc/*",
                     "--exclude=./sys/*", "-C", str(rootfs), "-cf", str(partial), ".",
@@ -306,16 +306,23 @@ def _debootstrap(base: Base, tarball: Path, log: Log) -> None:
 
 
 def _reach_the_index_as_this_machine(rootfs: Path, log_file: Path) -> None:
-    """This machine's extra CAs, its pip.conf, and uv told to trust the base's CA store."""
-    cas = _extra_cas()
+    """What this machine trusts and how it reaches the index, and uv told to trust the base's
+    CA store."""
+    trust_as_this_machine(rootfs, log_file)
+    (rootfs / "etc/uv").mkdir(exist_ok=True)
+    (rootfs / "etc/uv/uv.toml").write_text(UV_TOML)
+
+
+def trust_as_this_machine(rootfs: Path, log_file: Path) -> None:
+    """This machine's extra CAs (a TLS-intercepting proxy's) and its pip.conf, in a Debian
+    root (tools/pythons.py's too)."""
+    cas = extra_cas()
     for ca in cas:
         shutil.copy(ca, rootfs / "usr/local/share/ca-certificates" / ca.name)
     if cas:
-        _run_logged(["chroot", str(rootfs), "update-ca-certificates"], log_file)
+        run_logged(["chroot", str(rootfs), "update-ca-certificates"], log_file)
     if PIP_CONF.exists():
         shutil.copy(PIP_CONF, rootfs / "etc/pip.conf")
-    (rootfs / "etc/uv").mkdir(exist_ok=True)
-    (rootfs / "etc/uv/uv.toml").write_text(UV_TOML)
 
 
 def base_images(arches: Iterable[Arch], log: Log) -> dict[Base, str]:

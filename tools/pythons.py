@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import images
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin")) / "pythons"
 WORK = ROOT / "build" / "pythons"
@@ -32,8 +34,6 @@ SUITE = "sid"
 PACKAGES = "python3.14,python3.15,python3-pip,ca-certificates"
 IN_ROOT = ("3.14", "3.15")
 RECIPE = 1  # bump when the recipe below changes in a way the key cannot see
-EXTRA_CAS = Path("/usr/local/share/ca-certificates")
-PIP_CONF = Path("/etc/pip.conf")
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 
 Log = Callable[[str], None]
@@ -45,10 +45,10 @@ class Unavailable(Exception):
 
 def _key() -> str:
     digest = hashlib.sha256(f"v{RECIPE} {SUITE} minbase {PACKAGES}".encode())
-    for ca in sorted(EXTRA_CAS.glob("**/*.crt")):
+    for ca in images.extra_cas():
         digest.update(ca.name.encode() + b"\0" + ca.read_bytes())
-    if PIP_CONF.exists():
-        digest.update(b"pip.conf\0" + PIP_CONF.read_bytes())
+    if images.PIP_CONF.exists():
+        digest.update(b"pip.conf\0" + images.PIP_CONF.read_bytes())
     return f"{SUITE}-{digest.hexdigest()[:12]}"
 
 
@@ -70,12 +70,15 @@ def sid_root(log: Log) -> Path:
         log_file = WORK / "debootstrap.log"
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
             staged = Path(tmp) / "root"
-            # sid's own script: a Debian 12 debootstrap knows no newer suite by name.
-            _run_logged(
-                ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", SUITE, str(staged)],
-                log_file,
-            )
-            _trust_as_this_machine(staged, log_file)
+            try:
+                images.run_logged(
+                    ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", SUITE,
+                     str(staged)],
+                    log_file,
+                )  # fmt: skip
+                images.trust_as_this_machine(staged, log_file)
+            except RuntimeError as failed:
+                raise Unavailable(str(failed)) from None
             for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
                 for entry in (staged / cache).glob("*"):
                     if entry.is_file():
@@ -84,27 +87,6 @@ def sid_root(log: Log) -> Path:
         log(f"Debian {SUITE} root with Python {', '.join(IN_ROOT)}: debootstrap took "
             f"{time.monotonic() - started:.0f} s")  # fmt: skip
     return root
-
-
-def _trust_as_this_machine(root: Path, log_file: Path) -> None:
-    """The extra CAs this machine trusts (a TLS-intercepting proxy's) and its pip.conf."""
-    cas = sorted(EXTRA_CAS.glob("**/*.crt"))
-    for ca in cas:
-        shutil.copy(ca, root / "usr/local/share/ca-certificates" / ca.name)
-    if cas:
-        _run_logged(["chroot", str(root), "update-ca-certificates"], log_file)
-    if PIP_CONF.exists():
-        shutil.copy(PIP_CONF, root / "etc/pip.conf")
-
-
-def _run_logged(argv: Sequence[str], log_file: Path) -> None:
-    with log_file.open("ab") as out:
-        out.write(f"$ {' '.join(argv)}\n".encode())
-        out.flush()
-        result = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if result.returncode != 0:
-        tail = log_file.read_text(errors="replace").splitlines()[-15:]
-        raise Unavailable(f"{argv[0]} exited {result.returncode} ({log_file}):\n" + "\n".join(tail))
 
 
 def pyenv_python(version: str) -> Path:
