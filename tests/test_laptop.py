@@ -4,15 +4,14 @@ what a user gets wrong: one line each, naming the fix, a non-zero exit, no trace
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import trio
+from pasted_support import run_pasted, section_blocks
 
-from pcc_plugin.sim import Daemon, FakeNode, StartDaemon, run_blocking
+from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "dra.md"
 SECTION = "## Try it on a laptop"
@@ -21,11 +20,7 @@ CDI_ID = "pcc.tke.cloud.tencent.com/claim="
 
 
 def recipe() -> list[str]:
-    """The shell blocks of the section, in order."""
-    text = DOCS.read_text()
-    start = text.index(f"\n{SECTION}\n")
-    end = text.find("\n## ", start + 1)
-    return re.findall(r"^```sh\n(.*?)^```$", text[start:end], re.M | re.S)
+    return section_blocks(DOCS, SECTION)
 
 
 async def stop_simulators_under(directory: Path) -> None:
@@ -37,28 +32,12 @@ async def stop_simulators_under(directory: Path) -> None:
 async def test_the_laptop_recipe_runs_as_written(tmp_path: Path) -> None:
     blocks = recipe()
     assert len(blocks) == 5, blocks
-    # `mktemp -d` makes the recipe's directory in here, removed whatever happens, and short:
     # /tmp/pXXXXXXXX/tmp.XXXXXXXXXX/plugins_registry fits in the driver's 48 bytes, as
-    # /tmp/tmp.XXXXXXXXXX/plugins_registry does on a laptop. `python` is the one running the
-    # tests.
-    with tempfile.TemporaryDirectory(prefix="p", dir="/tmp") as scratch:
-        env = {
-            **os.environ,
-            "TMPDIR": scratch,
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        }
-        shell = ["bash", "-e", "-u", "-o", "pipefail", "-c", "\n".join(blocks)]
-        run = Daemon(shell, tmp_path / "recipe.log", env=env)
-        try:
-            with trio.fail_after(120):
-                code = await run_blocking(run.exited, 110)
-        finally:
-            run.close()
-            await stop_simulators_under(Path(scratch))
-        said = run.log_text()
-        logs = [f"{path}:\n{path.read_text()}" for path in Path(scratch).glob("*/*.log")]
-        assert code == 0, "\n".join([said, *logs])
-        assert not list(Path(scratch).iterdir()), "the recipe left its directory behind"
+    # /tmp/tmp.XXXXXXXXXX/plugins_registry does on a laptop.
+    run = await run_pasted("\n".join(blocks), tmp_path / "recipe.log", stop_simulators_under)
+    said = run.said
+    assert run.code == 0, "\n".join([said, run.logs])
+    assert run.left == [], "the recipe left its directory behind"
     assert "Traceback" not in said
     assert "The simulator serves in" in said
     # prepare: the allocation, kubelet's answer and the spec, naming the node's device and mount
