@@ -2,7 +2,7 @@
 
 ``nox -s pythons`` drives this module; it needs root, unshare and chroot, and debootstrap the
 first time. Python 3.14 and 3.15 come from a Debian sid root (debootstrap minbase with
-python3.14, python3.15 and pip: what Debian testing and sid ship), made once and cached in
+python3.14, python3.15, pip and curl: what Debian testing and sid ship), made once and cached in
 CACHE under a key of its recipe and of what this machine trusts and how it reaches the package
 index (its extra CAs, its pip.conf). 3.13 is the machine's pyenv build.
 
@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("PCC_IMAGE_CACHE", "/var/cache/pcc-device-plugin")) / "pythons"
 WORK = ROOT / "build" / "pythons"
 SUITE = "sid"
-PACKAGES = "python3.14,python3.15,python3-pip,ca-certificates"
+# curl: the README's blocks use it, as a laptop has it.
+PACKAGES = "python3.14,python3.15,python3-pip,ca-certificates,curl"
 IN_ROOT = ("3.14", "3.15")
 RECIPE = 1  # bump when the recipe below changes in a way the key cannot see
 PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
