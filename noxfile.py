@@ -275,8 +275,9 @@ def _image_arches(session: nox.Session) -> list[images.Arch]:
 
 @nox.session(venv_backend="none")
 def image_bases(session: nox.Session) -> None:
-    """Only the debootstrapped bases of `nox -s image` and its SBOM tool (syft, built with Go),
-    for CI to start early, in the background; each is cached.
+    """Only the debootstrapped bases of `nox -s image`, its SBOM tool (syft, built with Go) and
+    the Debian sid root of `nox -s pythons`, for CI to start early, in the background; each is
+    cached.
 
     Partly download and partly emulated, they can use the core the test suite leaves idle.
     """
@@ -287,11 +288,19 @@ def image_bases(session: nox.Session) -> None:
     arches = _image_arches(session)
     assert images.NATIVE is not None
     images.remove_manifest_list()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
         tool = pool.submit(images.sbom_tool, session.log)
+        sid = pool.submit(other_pythons.sid_root, session.log)
         images.base_images([images.NATIVE, *arches], session.log)
         session.log(f"bases ready after {time.monotonic() - started:.0f} s")
         session.log(f"SBOM tool {tool.result()} ready after {time.monotonic() - started:.0f} s")
+        try:
+            session.log(
+                f"Debian sid root {sid.result()} ready after {time.monotonic() - started:.0f} s"
+            )
+        except other_pythons.Unavailable as missing:
+            # Not the image's: nox -s pythons says it again where it needs the root.
+            session.warn(f"no Debian sid root for nox -s pythons: {missing}")
 
 
 @nox.session
