@@ -349,7 +349,8 @@ async def test_with_a_config_file_every_resource_is_checked(
         '  - {name: example.com/vfio, devices: [{hostPath: "/dev/vfio/[0-9]*"}]}\n'
     )
     args = [*fake_node.daemon_args(), f"--config={config}"]
-    with trio.fail_after(30):
+    # Several Python processes start one after another here: 60 s for a loaded machine.
+    with trio.fail_after(60):
         daemon = start_daemon(*args)
         port = (await run_blocking(daemon.wait_for_log, "Serving /metrics", 10.0)).rsplit(" ")[-1]
         args.append(f"--metrics-bind-address=127.0.0.1:{port}")

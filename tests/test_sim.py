@@ -800,7 +800,8 @@ async def test_allocate_by_hand_calls_the_resource_it_names(
         fake_node.root / "kubelet.log",
     )
     try:
-        with trio.fail_after(30):
+        # Several Python processes start one after another here: 60 s for a loaded machine.
+        with trio.fail_after(60):
             await run_blocking(kubelet.wait_for_log, "kubelet serving Registration", 10.0)
             code, said = await allocate_by_hand(
                 plugin_dir, "--resource", "example.com/first", "--timeout", "0.2", "first-0"
