@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import attrs
@@ -53,17 +52,16 @@ from pcc_plugin.sim.rules import (
 from pcc_plugin.sim.state import (
     DialError,
     KubeletResource,
+    Message,
     NoPluginError,
     PluginClient,
     PluginOptions,
     Registration,
-    as_is,
     serialize,
 )
 
 log = logging.getLogger(__name__)
 
-_Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
 
 
@@ -128,12 +126,7 @@ class SimKubelet:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     # Lifecycle
@@ -300,13 +293,9 @@ class SimKubelet:
     # Calls to plugins, as kubelet makes them
 
     def get_options(self, resource: str, timeout: float = 5.0) -> pb.DevicePluginOptions:
+        parse = pb.DevicePluginOptions.FromString
         response: pb.DevicePluginOptions = self._call(
-            resource,
-            GET_DEVICE_PLUGIN_OPTIONS,
-            pb.Empty(),
-            serialize,
-            pb.DevicePluginOptions.FromString,
-            timeout,
+            resource, GET_DEVICE_PLUGIN_OPTIONS, pb.Empty(), parse, timeout
         )
         return response
 
@@ -319,9 +308,8 @@ class SimKubelet:
                 pb.ContainerAllocateRequest(devices_ids=ids) for ids in container_requests
             ]
         )
-        response: pb.AllocateResponse = self._call(
-            resource, ALLOCATE, request, serialize, pb.AllocateResponse.FromString, timeout
-        )
+        parse = pb.AllocateResponse.FromString
+        response: pb.AllocateResponse = self._call(resource, ALLOCATE, request, parse, timeout)
         return response
 
     def get_preferred_allocation(
@@ -341,13 +329,9 @@ class SimKubelet:
                 )
             ]
         )
+        parse = pb.PreferredAllocationResponse.FromString
         response: pb.PreferredAllocationResponse = self._call(
-            resource,
-            GET_PREFERRED_ALLOCATION,
-            request,
-            serialize,
-            pb.PreferredAllocationResponse.FromString,
-            timeout,
+            resource, GET_PREFERRED_ALLOCATION, request, parse, timeout
         )
         return response
 
@@ -355,13 +339,9 @@ class SimKubelet:
         self, resource: str, device_ids: list[str], timeout: float = PRE_START_TIMEOUT
     ) -> pb.PreStartContainerResponse:
         request = pb.PreStartContainerRequest(devices_ids=device_ids)
+        parse = pb.PreStartContainerResponse.FromString
         response: pb.PreStartContainerResponse = self._call(
-            resource,
-            PRE_START_CONTAINER,
-            request,
-            serialize,
-            pb.PreStartContainerResponse.FromString,
-            timeout,
+            resource, PRE_START_CONTAINER, request, parse, timeout
         )
         return response
 
@@ -376,11 +356,9 @@ class SimKubelet:
         try:
             if isinstance(target, Path) or target.startswith("/"):
                 with self._dial_now(Path(target)) as channel:
-                    channel.unary_unary(
-                        method_path, request_serializer=as_is, response_deserializer=as_is
-                    )(payload, timeout=timeout)
+                    channel.unary_unary(method_path)(payload, timeout=timeout)
             else:
-                self._call(target, method_path, payload, as_is, as_is, timeout)
+                self._call(target, method_path, payload, bytes, timeout)
         except grpc.RpcError as rpc_error:
             return rpc_error.code(), rpc_error.details() or ""
         return grpc.StatusCode.OK, ""
@@ -648,14 +626,15 @@ class SimKubelet:
         self,
         resource: str,
         method_path: str,
-        request: _Request,
-        serialize: Callable[[_Request], bytes],
+        request: Message | bytes,
         parse: Callable[[bytes], _Response],
         timeout: float,
     ) -> _Response:
-        channel = self._active_client(resource).channel
-        method = channel.unary_unary(
-            method_path, request_serializer=serialize, response_deserializer=parse
+        """A unary call to the active plugin of ``resource``; bytes are sent as they are."""
+        method = self._active_client(resource).channel.unary_unary(
+            method_path,
+            request_serializer=None if isinstance(request, bytes) else serialize,
+            response_deserializer=parse,
         )
         try:
             response: _Response = method(request, timeout=timeout)

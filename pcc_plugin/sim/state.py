@@ -78,9 +78,5 @@ class DialError(Exception):
     pass
 
 
-def as_is(data: bytes) -> bytes:
-    return data
-
-
 def serialize(message: Message) -> bytes:
     return message.SerializeToString()
