@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from pcc_plugin.flags import MAX_KUBELET_DIR_BYTES
-from pcc_plugin.sim.rules import is_dns_label, is_dns_subdomain
 
 DRIVER = "pcc.tke.cloud.tencent.com"
 NODE = "node-a"
@@ -45,24 +44,6 @@ DRIVER_TIMEOUT = 30.0
 
 class CommandError(Exception):
     """What went wrong, in one line with the fix; the command exits 1."""
-
-
-def dns_subdomain(value: str) -> str:
-    """A ResourceClaim's or a Node's name, as Kubernetes checks it."""
-    if not is_dns_subdomain(value):
-        raise ValueError(
-            f"{value!r} is not a DNS subdomain: lowercase letters, digits, '-' and '.', at most 253"
-        )
-    return value
-
-
-def dns_label(value: str) -> str:
-    """A namespace's name, as Kubernetes checks it."""
-    if not is_dns_label(value):
-        raise ValueError(
-            f"{value!r} is not a DNS label: lowercase letters, digits and '-', at most 63"
-        )
-    return value
 
 
 def usable_dir(directory: Path) -> Path:
