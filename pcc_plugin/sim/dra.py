@@ -22,6 +22,8 @@ opens the stream again 5 s later, until the instance goes or the stream answers 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import select
@@ -129,12 +131,12 @@ class SimDraKubelet:
         self._instances: dict[str, DraRegistration] = {}
         # By DRA socket: whether kubelet's connection to it is up, each time that changed.
         self.connections: dict[str, list[bool]] = {}
-        self._held: dict[str, HeldConnection] = {}
         # Each device's last health report, by (driver, pool, device); each health stream's
-        # history by DRA socket ("open", or why it ended); the watchers by DRA socket.
+        # history by DRA socket ("open", or why it ended).
         self._health: dict[tuple[str, str, str], DeviceHealthReport] = {}
         self.health_streams: dict[str, list[str]] = {}
-        self._watchers: dict[str, HealthWatcher] = {}
+        # By DRA socket: kubelet's held connection to it and its health watcher, if any.
+        self._links: dict[str, list[HeldConnection | HealthWatcher]] = {}
         self._thread: threading.Thread | None = None
         self._stop_write: int | None = None
 
@@ -164,13 +166,10 @@ class SimDraKubelet:
         self._stop_write = None
         with self._changed:
             self._instances.clear()
-            held, self._held = self._held, {}
-            watchers, self._watchers = self._watchers, {}
+            links, self._links = self._links, {}
             self._changed.notify_all()
-        for connection in held.values():
-            connection.close()
-        for watcher in watchers.values():
-            watcher.stop()
+        for link in itertools.chain.from_iterable(links.values()):
+            link.close()
 
     def restart(self) -> None:
         self.stop()
@@ -295,61 +294,45 @@ class SimDraKubelet:
         if name.startswith(".") or not path.is_socket():
             return
         registration = self._register(path)
+        endpoint = registration.endpoint
         with self._changed:
             self.registrations.append(registration)
-            if registration.error is None:
-                self._instances.pop(name, None)
-                self._instances[name] = registration
-                log.info(
-                    "registered DRA driver %s at %s", registration.driver, registration.endpoint
-                )
-            else:
-                log.info("refused DRA plugin %s: %s", name, registration.error)
             self._changed.notify_all()
-        if registration.error is None:
-            self._connect(registration.endpoint)
-            if registration.health_service:
-                self._watch_health(registration)
+            if registration.error is not None:
+                log.info("refused DRA plugin %s: %s", name, registration.error)
+                return
+            self._instances.pop(name, None)
+            self._instances[name] = registration
+            log.info("registered DRA driver %s at %s", registration.driver, endpoint)
+            old = self._links.pop(endpoint, [])
+        # The old watcher's stream ends before the new one opens.
+        for link in old:
+            link.close()
+        links: list[HeldConnection | HealthWatcher] = [
+            HeldConnection(endpoint, functools.partial(self._connection_changed, endpoint))
+        ]
+        if registration.health_service:
+            links.append(HealthWatcher(self, registration))
+        with self._changed:
+            self._links[endpoint] = links
 
     def _vanished(self, name: str) -> None:
-        held = watcher = None
         with self._changed:
             instance = self._instances.pop(name, None)
-            if instance is not None:
-                log.info("deregistered the DRA plugin of %s", name)
-                held = self._held.pop(instance.endpoint, None)
-                watcher = self._watchers.pop(instance.endpoint, None)
+            if instance is None:
+                return
+            log.info("deregistered the DRA plugin of %s", name)
+            links = self._links.pop(instance.endpoint, [])
+            self._changed.notify_all()
+        for link in links:
+            link.close()
+
+    def _connection_changed(self, endpoint: str, up: bool) -> None:
+        with self._changed:
+            history = self.connections.setdefault(endpoint, [])
+            if history[-1:] != [up]:
+                history.append(up)
                 self._changed.notify_all()
-        if held is not None:
-            held.close()
-        if watcher is not None:
-            watcher.stop()
-
-    def _watch_health(self, registration: DraRegistration) -> None:
-        watcher = HealthWatcher(self, registration)
-        with self._changed:
-            old = self._watchers.pop(registration.endpoint, None)
-            self._watchers[registration.endpoint] = watcher
-        if old is not None:
-            old.stop()
-        watcher.start()
-
-    def _connect(self, endpoint: str) -> None:
-        """Kubelet's connection to a registered DRA socket, held and watched."""
-
-        def changed(up: bool) -> None:
-            with self._changed:
-                history = self.connections.setdefault(endpoint, [])
-                if history[-1:] != [up]:
-                    history.append(up)
-                    self._changed.notify_all()
-
-        connection = HeldConnection(endpoint, changed)
-        with self._changed:
-            old = self._held.pop(endpoint, None)
-            self._held[endpoint] = connection
-        if old is not None:
-            old.close()
 
     def _register(self, path: Path) -> DraRegistration:
         with grpc.insecure_channel(f"unix:{path}") as channel:
@@ -395,11 +378,9 @@ class HealthWatcher:
         self._lock = threading.Lock()
         self._call: Any = None
         self._thread = threading.Thread(target=self._run, name="sim-dra-health", daemon=True)
-
-    def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         self._stopped.set()
         with self._lock:
             if self._call is not None:
