@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from pcc_plugin.sim.rules import is_dns_label, is_qualified_name
+from pcc_plugin.sim.state import Simulator
 
 Obj = dict[str, Any]
 
@@ -120,13 +121,13 @@ def _taint_problems(taints: list[Obj]) -> list[str]:
     return problems
 
 
-class FakeApiServer:
+class FakeApiServer(Simulator):
     """kube-apiserver's DRA endpoints on http://127.0.0.1:<port>, with one bearer token."""
 
     def __init__(self, token: str = "sim-token") -> None:
         self.token = token
         self.serves_taints = True
-        self._changed = threading.Condition(threading.RLock())
+        super().__init__()
         self._versions = itertools.count(1)
         self._version = 0
         self.nodes: dict[str, Obj] = {}
@@ -172,13 +173,6 @@ class FakeApiServer:
         for connection in connections:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
-
-    def __enter__(self) -> FakeApiServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     @property
     def url(self) -> str:
@@ -306,14 +300,8 @@ class FakeApiServer:
         if stalled:
             self._released.wait()
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-        with self._changed:
-            if not self._changed.wait_for(predicate, timeout):
-                raise TimeoutError(
-                    f"{getattr(predicate, '__qualname__', predicate)} still false after "
-                    f"{timeout} s; slices: {sorted(self._slices)}; last requests: "
-                    f"{self.requests[-5:]}"
-                )
+    def _describe(self) -> str:
+        return f"slices: {sorted(self._slices)}; last requests: {self.requests[-5:]}"
 
     # Inside: the caller holds the lock
 

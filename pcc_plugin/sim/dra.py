@@ -51,7 +51,7 @@ from pcc_plugin.sim._pb import (
     pluginregistration_pb2,
 )
 from pcc_plugin.sim.apiserver import FakeApiServer
-from pcc_plugin.sim.state import serialize
+from pcc_plugin.sim.state import Simulator, serialize
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class DeviceHealthReport:
     received: float
 
 
-class SimDraKubelet:
+class SimDraKubelet(Simulator):
     """kubelet's plugin manager and DRA manager for one node."""
 
     def __init__(
@@ -125,7 +125,7 @@ class SimDraKubelet:
         self.health_services = health_services
         self.node = node
         self.api = api
-        self._changed = threading.Condition(threading.RLock())
+        super().__init__()
         self.registrations: list[DraRegistration] = []
         # Accepted instances by registration socket name, newest last.
         self._instances: dict[str, DraRegistration] = {}
@@ -171,24 +171,8 @@ class SimDraKubelet:
         for link in itertools.chain.from_iterable(links.values()):
             link.close()
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def __enter__(self) -> SimDraKubelet:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-        with self._changed:
-            if not self._changed.wait_for(predicate, timeout):
-                raise TimeoutError(
-                    f"{getattr(predicate, '__qualname__', predicate)} still false after "
-                    f"{timeout} s; registrations: {self.registrations[-3:]}"
-                )
+    def _describe(self) -> str:
+        return f"registrations: {self.registrations[-3:]}"
 
     def instances(self, driver: str) -> list[DraRegistration]:
         with self._changed:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import grpc
@@ -57,6 +57,7 @@ from pcc_plugin.sim.state import (
     PluginClient,
     PluginOptions,
     Registration,
+    Simulator,
     serialize,
 )
 
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 _Response = TypeVar("_Response")
 
 
-class SimKubelet:
+class SimKubelet(Simulator):
     """Serves ``<plugin_dir>/kubelet.sock`` and talks to the plugins that register there.
 
     ``legacy``: answer Register first and dial the plugin afterwards, like older kubelets.
@@ -100,8 +101,7 @@ class SimKubelet:
         self.legacy = legacy
         self.key_by = key_by
         self.dial_timeout = dial_timeout
-        # Reentrant so that wait_for predicates may call the observation methods.
-        self._changed = threading.Condition(threading.RLock())
+        super().__init__()
         self._server: Any = None
         self._executor: ThreadPoolExecutor | None = None
         # Bumped by every stop, so work begun for an earlier kubelet instance is discarded.
@@ -121,13 +121,6 @@ class SimKubelet:
         # Called with each accepted registration, under the simulator's lock: how the command
         # tells `allocate` which endpoint a resource registered.
         self.on_registered: Callable[[Registration], None] | None = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     # Lifecycle
 
@@ -191,11 +184,6 @@ class SimKubelet:
         self.socket_path.unlink(missing_ok=True)
         with self._changed:
             self._record("kubelet stopped")
-
-    def restart(self) -> None:
-        """Stop, then start afresh: every socket in the directory, the plugins' too, is deleted."""
-        self.stop()
-        self.start()
 
     def crash(self) -> None:
         """Die as a killed kubelet does: every connection drops and kubelet.sock stays behind.
@@ -279,16 +267,6 @@ class SimKubelet:
         with self._changed:
             state = self._resources.get(resource)
             return state.messages if state else 0
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-        """Block until ``predicate()`` holds; raise TimeoutError describing the state otherwise."""
-        with self._changed:
-            if self._changed.wait_for(predicate, timeout):
-                return
-            raise TimeoutError(
-                f"{getattr(predicate, '__qualname__', predicate)} still false after {timeout} s; "
-                f"{self._describe()}"
-            )
 
     # Calls to plugins, as kubelet makes them
 
@@ -650,7 +628,6 @@ class SimKubelet:
         self._changed.notify_all()
 
     def _describe(self) -> str:
-        """The state in one line, for timeouts; the caller holds the lock."""
         resources = "; ".join(
             f"{name}: stream {'open' if self.stream_open(name) else 'closed'}, "
             f"{sum(h == HEALTHY for h in state.devices.values())}/{len(state.devices)} healthy, "
