@@ -104,19 +104,8 @@ def start_dra(directory: Path, node: str) -> int:
     directory = unserved_dir(directory)
     log_path = directory / LOG
     read_fd, write_fd = os.pipe()
-    argv = [
-        sys.executable,
-        "-m",
-        "pcc_plugin.sim",
-        "dra",
-        "--dir",
-        str(directory),
-        "--node",
-        node,
-        "--foreground",
-        "--ready-fd",
-        str(write_fd),
-    ]
+    argv = [sys.executable, "-m", "pcc_plugin.sim", "dra", "--foreground", f"--dir={directory}"]
+    argv += [f"--node={node}", f"--ready-fd={write_fd}"]
     with log_path.open("w") as log_file:
         child = subprocess.Popen(
             argv,

@@ -244,14 +244,13 @@ class SimKubelet(Simulator):
     def devices(self, resource: str) -> dict[str, str]:
         """The latest device list of ``resource``: device ID to health."""
         with self._changed:
-            state = self._resources.get(resource)
-            return dict(state.devices) if state else {}
+            return dict(self._resource(resource).devices)
 
     def stream_open(self, resource: str) -> bool:
         """The active plugin of ``resource`` has sent a list and its stream has not ended."""
         with self._changed:
-            state = self._resources.get(resource)
-            return state is not None and state.active is not None and state.active.streaming
+            active = self._resource(resource).active
+            return active is not None and active.streaming
 
     def active_endpoint(self, resource: str) -> str | None:
         """The endpoint of the plugin kubelet uses for ``resource`` now, or None.
@@ -259,14 +258,13 @@ class SimKubelet(Simulator):
         A legacy kubelet switches to a newly registered plugin only once it has dialled it.
         """
         with self._changed:
-            state = self._resources.get(resource)
-            return state.active.endpoint if state and state.active else None
+            active = self._resource(resource).active
+            return active.endpoint if active else None
 
     def messages(self, resource: str) -> int:
         """ListAndWatch messages received from the active plugins of ``resource``."""
         with self._changed:
-            state = self._resources.get(resource)
-            return state.messages if state else 0
+            return self._resource(resource).messages
 
     # Calls to plugins, as kubelet makes them
 
@@ -593,12 +591,16 @@ class SimKubelet(Simulator):
         if newest_to_disconnect is not None:
             newest_to_disconnect.channel.close()
 
+    def _resource(self, resource: str) -> KubeletResource:
+        """What kubelet keeps of ``resource``: nothing yet if no plugin registered it."""
+        return self._resources.get(resource) or KubeletResource()
+
     def _active_client(self, resource: str) -> PluginClient:
         with self._changed:
-            state = self._resources.get(resource)
-            if state is None or state.active is None or not state.active.connected:
+            active = self._resource(resource).active
+            if active is None or not active.connected:
                 raise NoPluginError(f"no connected device plugin for {resource}")
-            return state.active
+            return active
 
     def _call(
         self,

@@ -43,14 +43,9 @@ def is_dns_label(value: str) -> bool:
 
 def is_qualified_name(value: str) -> bool:
     """Kubernetes' IsQualifiedName: an optional DNS-1123 subdomain prefix and a short name."""
-    parts = value.split("/")
-    if len(parts) > 2:
+    prefix, slash, name = value.rpartition("/")
+    if slash and not is_dns_subdomain(prefix):
         return False
-    if len(parts) == 2:
-        prefix = parts[0]
-        if not is_dns_subdomain(prefix):
-            return False
-    name = parts[-1]
     return len(name) <= 63 and _QUALIFIED_NAME_PART.fullmatch(name) is not None
 
 
