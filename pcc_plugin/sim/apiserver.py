@@ -12,12 +12,8 @@ through `run_blocking` like the simulated kubelet; `wait_for` blocks until a pre
 state holds.
 
 Faults: `stop` makes it unreachable (connections refused, open watches cut), `start` serves
-again on the same port; `delete_slices` is what kubelet does to a node's slices when it starts.
-Routine answers of kube-apiserver, on demand: `conflict_next_write` (someone else writes the
-slice first: 409), `expire_watches` (410 Gone, as a watch whose resource version was compacted
-away ends); `stall` holds the requests it matches until `release`; `recreate_node` deletes a
-Node and registers it again with a new UID, and the garbage collector then deletes the slices
-the old one owned, as kube-controller-manager's does.
+again on the same port; the methods after `slices` give kube-apiserver's routine trouble on
+demand (409 conflicts, 410 Gone watches, stalled requests, a Node recreated).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ import h2.events
 import h2.exceptions
 from asyncinotify import InitFlags, Inotify, Mask
 
+from pcc_plugin.fs import connect_error
 from pcc_plugin.inotify import pending_events
 from pcc_plugin.sim._pb import (
     dra_health_v1_pb2,
@@ -51,16 +52,16 @@ from pcc_plugin.sim._pb import (
     pluginregistration_pb2,
 )
 from pcc_plugin.sim.apiserver import FakeApiServer
+from pcc_plugin.sim.rules import CALL_TIMEOUT
 from pcc_plugin.sim.state import Simulator, serialize
 
 log = logging.getLogger(__name__)
 
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
-# Kubelet's registration deadlines and its DRA call timeout.
+# Kubelet's registration deadlines.
 GET_INFO_TIMEOUT = 1.0
 NOTIFY_TIMEOUT = 5.0
-CALL_TIMEOUT = 45.0
 # The services kubelet 1.37 speaks, as registrations name them, and their gRPC paths.
 SERVICES = {
     "v1.DRAPlugin": ("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/", dra_v1_pb2),
@@ -331,7 +332,7 @@ class SimDraKubelet(Simulator):
                     path.name, "", "", "", (), False, f"GetInfo: {failure.code().name}"
                 )
             endpoint = info.endpoint or str(path)
-            served = _takes_connections(endpoint)
+            served = connect_error(Path(endpoint)) is None
             error = _validate(info, self.services)
             service = next((one for one in info.supported_versions if one in self.services), "")
             notify = channel.unary_unary(NOTIFY, request_serializer=serialize)
@@ -446,12 +447,3 @@ def _validate(info: Any, services: tuple[str, ...]) -> str | None:
     if not any(one in services for one in info.supported_versions):
         return f"none of the services {list(info.supported_versions)} is supported"
     return None
-
-
-def _takes_connections(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pcc_plugin.flags import MAX_KUBELET_DIR_BYTES
+from pcc_plugin.sim.rules import CALL_TIMEOUT
 
 DRIVER = "pcc.tke.cloud.tencent.com"
 NODE = "node-a"
@@ -181,9 +182,7 @@ def claim_call(directory: Path, call: str, args: Any) -> dict[str, Any]:
     }
     if call == "prepare":
         request["device"] = args.device
-    # Imported here, for its h2; the answer may take kubelet's whole call deadline.
-    from pcc_plugin.sim.dra import CALL_TIMEOUT
-
+    # The answer may take kubelet's whole call deadline.
     return ask(directory, request, args.timeout + CALL_TIMEOUT + 5)
 
 

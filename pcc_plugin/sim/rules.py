@@ -14,6 +14,8 @@ UNHEALTHY = "Unhealthy"
 MAX_SOCKET_PATH_BYTES = 107
 DIAL_TIMEOUT = 10.0
 PRE_START_TIMEOUT = 30.0
+# Kubelet's deadline for a DRA driver's NodePrepareResources and NodeUnprepareResources.
+CALL_TIMEOUT = 45.0
 
 # Written out here, not taken from generated code, so a wrong package or service name in the
 # daemon's proto fails against the simulator as it would against a real kubelet.
