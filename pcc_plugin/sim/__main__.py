@@ -1,25 +1,7 @@
-"""The simulated kubelet as a command, to try the daemon by hand (the `sim` extra).
-
-python -m pcc_plugin.sim kubelet --dir /tmp/pcc-try/device-plugins
-    serve kubelet.sock there until SIGTERM or SIGINT, printing one line per event
-python -m pcc_plugin.sim allocate --dir /tmp/pcc-try/device-plugins [--resource NAME] pcc-0 ...
-    what kubelet's Allocate of those devices gets from the plugin, as a container would be
-    given it: from the endpoint that resource registered last with that kubelet, or without
-    --resource from the newest plugin socket in the directory; waits for it (--timeout)
-
-The DRA mode (pcc_plugin/sim/dra_commands.py and dra_cluster.py; docs/dra.md, "Try it on a
-laptop"):
-
-python -m pcc_plugin.sim dra --dir DIR [--node NAME] [--foreground]
-    the fake API server (a kubeconfig for it in DIR) and the simulated kubelet's DRA side,
-    in the background once both serve
-python -m pcc_plugin.sim prepare --dir DIR [--device pcc-N] CLAIM
-    allocate the ResourceClaim CLAIM a device, have the simulated kubelet prepare it, and show
-    the answer and the claim's CDI spec; waits for the driver first (--timeout)
-python -m pcc_plugin.sim unprepare --dir DIR CLAIM
-    have the simulated kubelet unprepare it, and delete it
-python -m pcc_plugin.sim stop --dir DIR
-    stop the simulator serving in DIR
+"""The simulated kubelet as a command, to try the daemon by hand (the `sim` extra):
+`python -m pcc_plugin.sim kubelet|allocate` for the device plugin (the README), and
+`dra|prepare|unprepare|stop` for the DRA mode (dra_commands.py; docs/dra.md, "Try it on a
+laptop"). Each command's --help says what it does.
 """
 
 from __future__ import annotations
