@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pcc_plugin.flags import MAX_KUBELET_DIR_BYTES
+from pcc_plugin.fs import connect_error
 from pcc_plugin.sim.rules import CALL_TIMEOUT
 
 DRIVER = "pcc.tke.cloud.tencent.com"
@@ -47,8 +48,9 @@ class CommandError(Exception):
     """What went wrong, in one line with the fix; the command exits 1."""
 
 
-def usable_dir(directory: Path) -> Path:
-    """`directory`, created, absolute; CommandError if the simulator cannot serve there."""
+def unserved_dir(directory: Path) -> Path:
+    """`directory`, created, absolute, and served by no simulator (a dead one's socket
+    removed); CommandError if the simulator cannot serve there."""
     directory = directory.absolute()
     # The driver's sockets go in DIR/plugins_registry and DIR/plugins, the longer of the two.
     size = len(os.fsencode(directory / REGISTRY))
@@ -66,19 +68,10 @@ def usable_dir(directory: Path) -> Path:
         ) from None
     if not os.access(directory, os.W_OK | os.X_OK):
         raise CommandError(f"--dir {directory}: not writable; give a directory you can write")
-    return directory
-
-
-def unserved_dir(directory: Path) -> Path:
-    """`directory`, usable, and served by no simulator (a dead one's socket removed)."""
-    directory = usable_dir(directory)
     path = directory / CONTROL_SOCKET
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            path.unlink(missing_ok=True)
-            return directory
+    if isinstance(connect_error(path), (FileNotFoundError, ConnectionRefusedError)):
+        path.unlink(missing_ok=True)
+        return directory
     pid = ask(directory, {"call": "pid"}, 5.0)["pid"]
     raise CommandError(
         f"a simulator (pid {pid}) serves in {directory} already: stop it with "
