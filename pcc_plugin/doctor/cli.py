@@ -35,19 +35,16 @@ EPILOG = "Exit codes: 0 no check failed; 1 a check failed; 2 usage error."
 
 async def examine(
     config: Flags,
-    specs: Sequence[ResourceSpec],
+    served: configuration.Served,
+    config_problem: str | None,
     report: Callable[[Result], None],
-    config_digest: str = "",
-    config_problem: str | None = None,
-    mode: str = DEFAULT_MODE,
 ) -> None:
     """Run every check in order and `report` each result as it comes.
 
-    With --config, `config_digest` is the hash of the file the resources were read from. With
-    an invalid file (`config_problem`), there are no resources to check, but kubelet and the
-    daemon still can be: it keeps running the configuration it had.
+    With an invalid --config file (`config_problem`), there are no resources to check, but
+    kubelet and the daemon still can be: it keeps running the configuration it had.
     """
-    host_root = config.host_root
+    host_root, specs = config.host_root, served.specs
     if config.config:
         node_checks: dict[str, Result] = {}
         for spec in specs:
@@ -66,7 +63,7 @@ async def examine(
     else:
         for result in check_pcc_node(specs[0], host_root):
             report(result)
-    if mode == "dra":
+    if served.mode == "dra":
         await _examine_dra(config, report)
     else:
         await _examine_device_plugin(config, specs, report)
@@ -74,7 +71,7 @@ async def examine(
     if config.config:
         report(
             await check_config(
-                config.config, config.metrics_bind_address, config_digest, config_problem
+                config.config, config.metrics_bind_address, served.digest, config_problem
             )
         )
 
@@ -130,7 +127,7 @@ def main(argv: Sequence[str]) -> NoReturn:
         results.append(result)
         print(result.line(), flush=True)
 
-    bridge.run(examine, config, served.specs, report, served.digest, config_problem, served.mode)
+    bridge.run(examine, config, served, config_problem, report)
     counts = collections.Counter(result.status for result in results)
     print(
         f"{counts['PASS']} passed, {counts['WARN']} warned, {counts['FAIL']} failed, "
