@@ -10,11 +10,12 @@ from typing import NoReturn
 
 from pcc_plugin import bridge, configuration, flags, klog
 from pcc_plugin.doctor.config import check_config
-from pcc_plugin.doctor.dra import check_driver, check_registry_dir
+from pcc_plugin.doctor.dra import KUBELET_CREATES_REGISTRY, check_driver
 from pcc_plugin.doctor.kubelet import (
+    KUBELET_CREATES_IT,
     check_kubelet,
+    check_kubelets_dir,
     check_plugin,
-    check_plugin_dir,
     expected_devices,
 )
 from pcc_plugin.doctor.node import check_device, check_mount, check_pcc_node, check_sev_guest
@@ -78,7 +79,7 @@ async def examine(
 
 async def _examine_dra(config: Flags, report: Callable[[Result], None]) -> None:
     registry = Path(config.kubelet_registry_path)
-    directory = check_registry_dir(registry)
+    directory = check_kubelets_dir("plugin registry dir", registry, KUBELET_CREATES_REGISTRY)
     report(directory)
     if directory.status == "PASS":
         report(await check_driver(registry, config.driver_name))
@@ -90,7 +91,7 @@ async def _examine_device_plugin(
     config: Flags, specs: Sequence[ResourceSpec], report: Callable[[Result], None]
 ) -> None:
     plugin_dir = Path(config.device_plugin_path)
-    directory = check_plugin_dir(plugin_dir)
+    directory = check_kubelets_dir("device-plugin dir", plugin_dir, KUBELET_CREATES_IT)
     report(directory)
     if directory.status == "PASS":
         kubelet = await check_kubelet(plugin_dir)
