@@ -42,7 +42,7 @@ from pcc_plugin.inventory import Inventory
 from pcc_plugin.plugin_dir import remove_stale_sockets
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
-from pcc_plugin.sim import dra as sim_dra
+from pcc_plugin.sim import rules as sim_rules
 from pcc_plugin.sim.dra import SimDraKubelet
 from pcc_plugin.state import ResourceState
 
@@ -315,7 +315,7 @@ async def test_a_removed_registration_socket_is_served_again(
 
 def test_claims_are_read_within_the_answer_deadline_within_kubelets() -> None:
     """Kubelet hears each claim's own error rather than the whole call's deadline."""
-    assert claims.READ_CLAIMS_TIMEOUT < grpc_server.UNARY_TIMEOUT < sim_dra.CALL_TIMEOUT
+    assert claims.READ_CLAIMS_TIMEOUT < grpc_server.UNARY_TIMEOUT < sim_rules.CALL_TIMEOUT
 
 
 async def test_api_server_unreachable_for_a_while_then_back(

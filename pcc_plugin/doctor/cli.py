@@ -10,11 +10,12 @@ from typing import NoReturn
 
 from pcc_plugin import bridge, configuration, flags, klog
 from pcc_plugin.doctor.config import check_config
-from pcc_plugin.doctor.dra import check_driver, check_registry_dir
+from pcc_plugin.doctor.dra import KUBELET_CREATES_REGISTRY, check_driver
 from pcc_plugin.doctor.kubelet import (
+    KUBELET_CREATES_IT,
     check_kubelet,
+    check_kubelets_dir,
     check_plugin,
-    check_plugin_dir,
     expected_devices,
 )
 from pcc_plugin.doctor.node import check_device, check_mount, check_pcc_node, check_sev_guest
@@ -35,19 +36,16 @@ EPILOG = "Exit codes: 0 no check failed; 1 a check failed; 2 usage error."
 
 async def examine(
     config: Flags,
-    specs: Sequence[ResourceSpec],
+    served: configuration.Served,
+    config_problem: str | None,
     report: Callable[[Result], None],
-    config_digest: str = "",
-    config_problem: str | None = None,
-    mode: str = DEFAULT_MODE,
 ) -> None:
     """Run every check in order and `report` each result as it comes.
 
-    With --config, `config_digest` is the hash of the file the resources were read from. With
-    an invalid file (`config_problem`), there are no resources to check, but kubelet and the
-    daemon still can be: it keeps running the configuration it had.
+    With an invalid --config file (`config_problem`), there are no resources to check, but
+    kubelet and the daemon still can be: it keeps running the configuration it had.
     """
-    host_root = config.host_root
+    host_root, specs = config.host_root, served.specs
     if config.config:
         node_checks: dict[str, Result] = {}
         for spec in specs:
@@ -66,7 +64,7 @@ async def examine(
     else:
         for result in check_pcc_node(specs[0], host_root):
             report(result)
-    if mode == "dra":
+    if served.mode == "dra":
         await _examine_dra(config, report)
     else:
         await _examine_device_plugin(config, specs, report)
@@ -74,14 +72,14 @@ async def examine(
     if config.config:
         report(
             await check_config(
-                config.config, config.metrics_bind_address, config_digest, config_problem
+                config.config, config.metrics_bind_address, served.digest, config_problem
             )
         )
 
 
 async def _examine_dra(config: Flags, report: Callable[[Result], None]) -> None:
     registry = Path(config.kubelet_registry_path)
-    directory = check_registry_dir(registry)
+    directory = check_kubelets_dir("plugin registry dir", registry, KUBELET_CREATES_REGISTRY)
     report(directory)
     if directory.status == "PASS":
         report(await check_driver(registry, config.driver_name))
@@ -93,7 +91,7 @@ async def _examine_device_plugin(
     config: Flags, specs: Sequence[ResourceSpec], report: Callable[[Result], None]
 ) -> None:
     plugin_dir = Path(config.device_plugin_path)
-    directory = check_plugin_dir(plugin_dir)
+    directory = check_kubelets_dir("device-plugin dir", plugin_dir, KUBELET_CREATES_IT)
     report(directory)
     if directory.status == "PASS":
         kubelet = await check_kubelet(plugin_dir)
@@ -130,7 +128,7 @@ def main(argv: Sequence[str]) -> NoReturn:
         results.append(result)
         print(result.line(), flush=True)
 
-    bridge.run(examine, config, served.specs, report, served.digest, config_problem, served.mode)
+    bridge.run(examine, config, served, config_problem, report)
     counts = collections.Counter(result.status for result in results)
     print(
         f"{counts['PASS']} passed, {counts['WARN']} warned, {counts['FAIL']} failed, "

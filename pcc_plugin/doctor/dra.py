@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pcc_plugin import grpc_clients
-from pcc_plugin.doctor.kubelet import CHECK_TIMEOUT, check_kubelets_dir, sockets_newest_first
+from pcc_plugin.doctor.kubelet import CHECK_TIMEOUT, sockets_newest_first
 from pcc_plugin.doctor.report import DAEMON_LOG, Result, failed, passed
 from pcc_plugin.dra.service import DRA_V1, PLUGIN_TYPE
 from pcc_plugin.dra.sockets import is_registration_socket
@@ -15,13 +15,10 @@ from pcc_plugin.fs import connect_error
 DRA_PROBE = DRA_V1 + "PccDoctorProbe"
 
 
-def check_registry_dir(registry: Path) -> Result:
-    return check_kubelets_dir(
-        "plugin registry dir",
-        registry,
-        "kubelet creates it at start: check that kubelet runs (systemctl status kubelet) and "
-        "that --kubelet-registry-path is <kubelet's --root-dir>/plugins_registry",
-    )
+KUBELET_CREATES_REGISTRY = (
+    "kubelet creates it at start: check that kubelet runs (systemctl status kubelet) and "
+    "that --kubelet-registry-path is <kubelet's --root-dir>/plugins_registry"
+)
 
 
 async def check_driver(registry: Path, driver: str) -> Result:

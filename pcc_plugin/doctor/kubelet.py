@@ -17,14 +17,10 @@ from pcc_plugin.resource import ResourceSpec, take_inventory
 CHECK_TIMEOUT = 5.0
 # Kubelet serves Register only on this service, so this answers UNIMPLEMENTED.
 KUBELET_PROBE = "/v1beta1.Registration/PccDoctorProbe"
-_KUBELET_CREATES_IT = (
+KUBELET_CREATES_IT = (
     "kubelet creates it at start: check that kubelet runs (systemctl status kubelet) "
     "and that --device-plugin-path is <kubelet's --root-dir>/device-plugins"
 )
-
-
-def check_plugin_dir(plugin_dir: Path) -> Result:
-    return check_kubelets_dir("device-plugin dir", plugin_dir, _KUBELET_CREATES_IT)
 
 
 def check_kubelets_dir(check: str, directory: Path, missing_fix: str) -> Result:
@@ -47,7 +43,7 @@ async def check_kubelet(plugin_dir: Path) -> Result:
         check,
         path,
         "a socket",
-        _KUBELET_CREATES_IT,
+        KUBELET_CREATES_IT,
         f"remove it and restart kubelet, which creates the socket at start "
         f"(rm {path}; systemctl restart kubelet)",
     )

@@ -46,33 +46,20 @@ def _mounted_hint(host_root: str, host_path: str) -> str:
     return f"; with --host-root, the host's {parent} must be mounted at {host_root}{parent}"
 
 
-def glob_matches(node: DeviceNode, host_root: str) -> list[str]:
-    matches = []
-    for match in sorted(glob.glob(seen_from_here(host_root, node.host_path))):
-        try:
-            mode = os.stat(match).st_mode
-        except OSError:
-            continue
-        if kind(mode) == DEVICE_WORDS[node.device_type]:
-            matches.append(match)
-    return matches
-
-
 def check_device(node: DeviceNode, host_root: str, load_driver: str = LOAD_DRIVER) -> Result:
     """`load_driver`: the fix when there is no such device."""
     check = f"device {node.host_path}"
     wanted = DEVICE_WORDS[node.device_type]
+    path = seen_from_here(host_root, node.host_path)
     if node.is_glob:
-        matches = glob_matches(node, host_root)
+        matches = [match for match in sorted(glob.glob(path)) if _kind(match) == wanted]
         if not matches:
-            pattern = seen_from_here(host_root, node.host_path)
             return failed(
                 check,
-                f"nothing matching {pattern} is {wanted}",
+                f"nothing matching {path} is {wanted}",
                 load_driver + _mounted_hint(host_root, node.host_path),
             )
         return passed(check, f"{len(matches)} match, each {wanted}: {', '.join(matches)}")
-    path = seen_from_here(host_root, node.host_path)
     problem = expect_kind(
         check,
         path,
@@ -82,6 +69,13 @@ def check_device(node: DeviceNode, host_root: str, load_driver: str = LOAD_DRIVE
         "load its driver again (for /dev/sev-guest: modprobe -r sev-guest; modprobe sev-guest)",
     )
     return problem or passed(check, f"{path} is {wanted}")
+
+
+def _kind(path: str) -> str | None:
+    try:
+        return kind(os.stat(path).st_mode)
+    except OSError:
+        return None
 
 
 def _writable(check: str, mount: HostMount, path: str, host_root: str) -> Result:

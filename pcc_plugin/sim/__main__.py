@@ -1,25 +1,7 @@
-"""The simulated kubelet as a command, to try the daemon by hand (the `sim` extra).
-
-python -m pcc_plugin.sim kubelet --dir /tmp/pcc-try/device-plugins
-    serve kubelet.sock there until SIGTERM or SIGINT, printing one line per event
-python -m pcc_plugin.sim allocate --dir /tmp/pcc-try/device-plugins [--resource NAME] pcc-0 ...
-    what kubelet's Allocate of those devices gets from the plugin, as a container would be
-    given it: from the endpoint that resource registered last with that kubelet, or without
-    --resource from the newest plugin socket in the directory; waits for it (--timeout)
-
-The DRA mode (pcc_plugin/sim/dra_commands.py and dra_cluster.py; docs/dra.md, "Try it on a
-laptop"):
-
-python -m pcc_plugin.sim dra --dir DIR [--node NAME] [--foreground]
-    the fake API server (a kubeconfig for it in DIR) and the simulated kubelet's DRA side,
-    in the background once both serve
-python -m pcc_plugin.sim prepare --dir DIR [--device pcc-N] CLAIM
-    allocate the ResourceClaim CLAIM a device, have the simulated kubelet prepare it, and show
-    the answer and the claim's CDI spec; waits for the driver first (--timeout)
-python -m pcc_plugin.sim unprepare --dir DIR CLAIM
-    have the simulated kubelet unprepare it, and delete it
-python -m pcc_plugin.sim stop --dir DIR
-    stop the simulator serving in DIR
+"""The simulated kubelet as a command, to try the daemon by hand (the `sim` extra):
+`python -m pcc_plugin.sim kubelet|allocate` for the device plugin (the README), and
+`dra|prepare|unprepare|stop` for the DRA mode (dra_commands.py; docs/dra.md, "Try it on a
+laptop"). Each command's --help says what it does.
 """
 
 from __future__ import annotations
@@ -34,17 +16,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
 
+from pcc_plugin.flags import usage_error
 from pcc_plugin.sim import dra_commands
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.sim.demo import what_the_container_gets
 from pcc_plugin.sim.kubelet import SimKubelet
-from pcc_plugin.sim.rules import ALLOCATE, KUBELET_SOCKET
+from pcc_plugin.sim.rules import ALLOCATE, KUBELET_SOCKET, is_dns_label, is_dns_subdomain
 from pcc_plugin.sim.state import Registration
 
 # Written by `kubelet` in its directory while it serves (removed when it stops): the endpoint
@@ -55,23 +37,6 @@ REGISTERED_ENDPOINTS = "sim-kubelet-endpoints.json"
 LOOK_AGAIN = 0.05
 
 
-class EndpointRecord:
-    """The endpoint each resource registered last, kept in a file for `allocate`."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.endpoints: dict[str, str] = {}
-
-    def add(self, registration: Registration) -> None:
-        """Called under the simulator's lock, one registration at a time."""
-        self.endpoints[registration.resource_name] = registration.endpoint
-        # Replaced whole: `allocate` never reads half a file.
-        descriptor, staged = tempfile.mkstemp(dir=self.path.parent, prefix=".sim-kubelet-")
-        with os.fdopen(descriptor, "w") as file:
-            json.dump(self.endpoints, file, indent=1, sort_keys=True)
-        os.replace(staged, self.path)
-
-
 def serve_kubelet(args: argparse.Namespace) -> int:
     # The simulator logs each event as one plain line; grpcio only its warnings.
     logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
@@ -79,17 +44,28 @@ def serve_kubelet(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda _signum, _frame: stop.set())
-    record = EndpointRecord(args.dir / REGISTERED_ENDPOINTS)
+    record = args.dir / REGISTERED_ENDPOINTS
+    endpoints: dict[str, str] = {}
+
+    def registered(registration: Registration) -> None:
+        """Called under the simulator's lock, one registration at a time."""
+        endpoints[registration.resource_name] = registration.endpoint
+        # Replaced whole: `allocate` never reads half a file.
+        descriptor, staged = tempfile.mkstemp(dir=args.dir, prefix=".sim-kubelet-")
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(endpoints, file, indent=1, sort_keys=True)
+        os.replace(staged, record)
+
     # An earlier kubelet's endpoints are gone: kubelet deletes every socket as it starts.
-    record.path.unlink(missing_ok=True)
+    record.unlink(missing_ok=True)
     kubelet = SimKubelet(args.dir, legacy=args.legacy, key_by=args.key_by)
-    kubelet.on_registered = record.add
+    kubelet.on_registered = registered
     try:
         with kubelet:
             stop.wait()
     finally:
         # What it recorded is no kubelet's any more: `allocate` waits for the next one's.
-        record.path.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
     return 0
 
 
@@ -168,27 +144,38 @@ def allocate(args: argparse.Namespace) -> int:
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # One line, as every usage error of the project's commands.
-        print(f"{self.prog}: {message.removeprefix('argument ')} (see --help)", file=sys.stderr)
-        sys.exit(2)
+        usage_error(self.prog, message.removeprefix("argument "))
 
 
-def checked(check: Callable[[str], object]) -> Callable[[str], object]:
-    """An argparse type from a check that raises ValueError with the reason."""
-
-    def convert(value: str) -> object:
-        try:
-            return check(value)
-        except ValueError as invalid:
-            raise argparse.ArgumentTypeError(str(invalid)) from None
-
-    return convert
+# argparse types: an ArgumentTypeError's reason is what the usage error says.
 
 
 def positive_seconds(value: str) -> float:
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
     if not 0 < seconds < math.inf:
-        raise ValueError(f"{value} is not a number of seconds above 0")
+        raise argparse.ArgumentTypeError(f"{value} is not a number of seconds above 0")
     return seconds
+
+
+def dns_subdomain(value: str) -> str:
+    """A ResourceClaim's or a Node's name, as Kubernetes checks it."""
+    if not is_dns_subdomain(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a DNS subdomain: lowercase letters, digits, '-' and '.', at most 253"
+        )
+    return value
+
+
+def dns_label(value: str) -> str:
+    """A namespace's name, as Kubernetes checks it."""
+    if not is_dns_label(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a DNS label: lowercase letters, digits and '-', at most 63"
+        )
+    return value
 
 
 def add_dra_commands(commands: Any) -> None:
@@ -203,7 +190,7 @@ def add_dra_commands(commands: Any) -> None:
     )
     dra.add_argument(
         "--node",
-        type=checked(dra_commands.dns_subdomain),
+        type=dns_subdomain,
         default=dra_commands.NODE,
         help="the Node's name (default: %(default)s)",
     )
@@ -222,7 +209,7 @@ def add_dra_commands(commands: Any) -> None:
         one.add_argument("--dir", required=True, type=Path, help="where `dra` serves")
         one.add_argument(
             "--namespace",
-            type=checked(dra_commands.dns_label),
+            type=dns_label,
             default="default",
             help="the claim's namespace (default: %(default)s)",
         )
@@ -233,7 +220,7 @@ def add_dra_commands(commands: Any) -> None:
         )
         one.add_argument(
             "--timeout",
-            type=checked(positive_seconds),
+            type=positive_seconds,
             default=dra_commands.DRIVER_TIMEOUT,
             metavar="SECONDS",
             help="how long to wait for the driver (default: %(default)g)",
@@ -250,7 +237,7 @@ def add_dra_commands(commands: Any) -> None:
                 metavar="NAME",
                 help="the device to allocate (default: the first free one)",
             )
-        one.add_argument("claim", type=checked(dra_commands.dns_subdomain), metavar="CLAIM")
+        one.add_argument("claim", type=dns_subdomain, metavar="CLAIM")
     stop = commands.add_parser("stop", help="stop the simulator that `dra` started")
     stop.add_argument("--dir", required=True, type=Path, help="where `dra` serves")
 
@@ -299,7 +286,7 @@ def main() -> None:
     )
     one.add_argument(
         "--timeout",
-        type=checked(positive_seconds),
+        type=positive_seconds,
         default=30.0,
         metavar="SECONDS",
         help="how long to wait for the plugin to register (default 30)",

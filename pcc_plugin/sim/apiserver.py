@@ -12,12 +12,8 @@ through `run_blocking` like the simulated kubelet; `wait_for` blocks until a pre
 state holds.
 
 Faults: `stop` makes it unreachable (connections refused, open watches cut), `start` serves
-again on the same port; `delete_slices` is what kubelet does to a node's slices when it starts.
-Routine answers of kube-apiserver, on demand: `conflict_next_write` (someone else writes the
-slice first: 409), `expire_watches` (410 Gone, as a watch whose resource version was compacted
-away ends); `stall` holds the requests it matches until `release`; `recreate_node` deletes a
-Node and registers it again with a new UID, and the garbage collector then deletes the slices
-the old one owned, as kube-controller-manager's does.
+again on the same port; the methods after `slices` give kube-apiserver's routine trouble on
+demand (409 conflicts, 410 Gone watches, stalled requests, a Node recreated).
 """
 
 from __future__ import annotations
@@ -38,6 +34,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from pcc_plugin.sim.rules import is_dns_label, is_qualified_name
+from pcc_plugin.sim.state import Simulator
+
 Obj = dict[str, Any]
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
@@ -56,8 +55,6 @@ MAX_DEVICES_PER_SLICE = 128
 MAX_TAINTED_DEVICES_PER_SLICE = 64
 MAX_TAINTS_PER_DEVICE = 16
 TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
@@ -95,7 +92,7 @@ def check_slice(obj: Obj) -> None:
     if len(devices) > most:
         problems.append(f"spec.devices: at most {most}, got {len(devices)}")
     for device in devices:
-        if not _DNS_LABEL.fullmatch(device.get("name", "")):
+        if not is_dns_label(device.get("name", "")):
             problems.append(f"device name {device.get('name')!r} is not a DNS label")
         for value in (device.get("attributes") or {}).values():
             if len(str(value.get("string", ""))) > 64:
@@ -109,8 +106,7 @@ def _taint_problems(taints: list[Obj]) -> list[str]:
     problems = [] if len(taints) <= MAX_TAINTS_PER_DEVICE else ["more than 16 taints"]
     for taint in taints:
         key, value = taint.get("key") or "", taint.get("value") or ""
-        prefix, _, name = key.rpartition("/")
-        if not name or len(name) > 63 or (prefix and not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        if not is_qualified_name(key):
             problems.append(f"taint key {key!r} is not a label name")
         if len(value) > 63 or not _LABEL_VALUE.fullmatch(value):
             problems.append(f"taint value {value!r} is not a label value")
@@ -121,26 +117,13 @@ def _taint_problems(taints: list[Obj]) -> list[str]:
     return problems
 
 
-def _drop_taints(obj: Obj) -> None:
-    for device in (obj.get("spec") or {}).get("devices") or []:
-        device.pop("taints", None)
-
-
-def _stamp_taints(obj: Obj) -> None:
-    """What kube-apiserver adds to a taint without a time: now."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    for device in (obj.get("spec") or {}).get("devices") or []:
-        for taint in device.get("taints") or []:
-            taint.setdefault("timeAdded", now)
-
-
-class FakeApiServer:
+class FakeApiServer(Simulator):
     """kube-apiserver's DRA endpoints on http://127.0.0.1:<port>, with one bearer token."""
 
     def __init__(self, token: str = "sim-token") -> None:
         self.token = token
         self.serves_taints = True
-        self._changed = threading.Condition(threading.RLock())
+        super().__init__()
         self._versions = itertools.count(1)
         self._version = 0
         self.nodes: dict[str, Obj] = {}
@@ -164,7 +147,8 @@ class FakeApiServer:
     # Lifecycle
 
     def start(self) -> None:
-        server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler_class())
+        handler = type("Handler", (_Handler,), {"api": self})
+        server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
         server.daemon_threads = True
         self.port = server.server_address[1]
         thread = threading.Thread(target=server.serve_forever, name="fake-apiserver", daemon=True)
@@ -185,13 +169,6 @@ class FakeApiServer:
         for connection in connections:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
-
-    def __enter__(self) -> FakeApiServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     @property
     def url(self) -> str:
@@ -319,14 +296,8 @@ class FakeApiServer:
         if stalled:
             self._released.wait()
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-        with self._changed:
-            if not self._changed.wait_for(predicate, timeout):
-                raise TimeoutError(
-                    f"{getattr(predicate, '__qualname__', predicate)} still false after "
-                    f"{timeout} s; slices: {sorted(self._slices)}; last requests: "
-                    f"{self.requests[-5:]}"
-                )
+    def _describe(self) -> str:
+        return f"slices: {sorted(self._slices)}; last requests: {self.requests[-5:]}"
 
     # Inside: the caller holds the lock
 
@@ -367,14 +338,6 @@ class FakeApiServer:
             obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": self._bump()}}
         self._events.append((self._version, kind, json.loads(json.dumps(obj))))
         self._changed.notify_all()
-
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
-
-        class Handler(_Handler):
-            api = fake
-
-        return Handler
 
     def answer(self, method: str, path: str, query: dict[str, str], body: Obj | None) -> Obj:
         """The answer to one request that is not a watch; Rejected for an error status."""
@@ -433,11 +396,13 @@ class FakeApiServer:
         return obj
 
     def _served(self, obj: Obj) -> None:
-        """The fields as kube-apiserver keeps them: taints dropped or given their time."""
-        if self.serves_taints:
-            _stamp_taints(obj)
-        else:
-            _drop_taints(obj)
+        """The fields as kube-apiserver keeps them: taints dropped, or given the time now."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for device in (obj.get("spec") or {}).get("devices") or []:
+            if not self.serves_taints:
+                device.pop("taints", None)
+            for taint in device.get("taints") or []:
+                taint.setdefault("timeAdded", now)
 
     def _slice(self, method: str, name: str, body: Obj | None) -> Obj:
         old = self._get(self._slices, name, "resourceslices.resource.k8s.io")
@@ -530,18 +495,7 @@ class _Handler(BaseHTTPRequestHandler):
             super().finish()
 
     def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def do_PUT(self) -> None:
-        self._serve("PUT")
-
-    def do_DELETE(self) -> None:
-        self._serve("DELETE")
-
-    def _serve(self, method: str) -> None:
+        method = self.command
         url = urlsplit(self.path)
         query = {key: values[-1] for key, values in parse_qs(url.query).items()}
         size = int(self.headers.get("Content-Length") or 0)
@@ -556,6 +510,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, self.api.answer(method, url.path, query, body))
         except Rejected as rejected:
             self._send(rejected.code, status(rejected.code, rejected.reason, str(rejected)))
+
+    do_POST = do_PUT = do_DELETE = do_GET
 
     def _send(self, code: int, obj: Obj) -> None:
         payload = json.dumps(obj).encode()

@@ -50,7 +50,6 @@ class Daemon:
         self, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None
     ) -> None:
         self.argv = list(argv)
-        self.log_path = log_path
         self._lines: list[str] = []
         self._output_ended = False
         self._changed = threading.Condition()

@@ -33,33 +33,6 @@ DRA_ON_A_LAPTOP = (
 )
 
 
-class Story:
-    def __init__(self) -> None:
-        self.step = 0
-        self.started = time.monotonic()
-        self.daemon: Daemon | None = None
-        self._shown = 0
-
-    def tell(self, text: str) -> None:
-        self.step += 1
-        print(f"{self.step}. {text}")
-
-    def show_log(self) -> None:
-        """The daemon's log lines since the last step, indented under it."""
-        if self.daemon is None:
-            return
-        lines = self.daemon.log_text().splitlines()
-        for line in lines[self._shown :]:
-            print(f"     | {line}")
-        self._shown = len(lines)
-
-    def lap(self) -> int:
-        """Milliseconds since the previous lap."""
-        now = time.monotonic()
-        elapsed, self.started = now - self.started, now
-        return round(elapsed * 1000)
-
-
 def what_the_container_gets(response: pb.AllocateResponse) -> Iterator[str]:
     container = response.container_responses[0]
     for device in container.devices:
@@ -85,23 +58,43 @@ def registered(kubelet: SimKubelet, times: int) -> bool:
 
 class Demo:
     def __init__(self, keep: bool) -> None:
-        self.story = Story()
         self.node = FakeNode.create()
         self.kubelet = SimKubelet(self.node.plugin_dir)
         self.daemon: Daemon | None = None
         self.keep = keep
+        self.step = 0
+        self.started = time.monotonic()
+        self._shown = 0
+
+    def tell(self, text: str) -> None:
+        self.step += 1
+        print(f"{self.step}. {text}")
+
+    def show_log(self) -> None:
+        """The daemon's log lines since the last step, indented under it."""
+        assert self.daemon is not None
+        lines = self.daemon.log_text().splitlines()
+        for line in lines[self._shown :]:
+            print(f"     | {line}")
+        self._shown = len(lines)
+
+    def lap(self) -> int:
+        """Milliseconds since the previous lap."""
+        now = time.monotonic()
+        elapsed, self.started = now - self.started, now
+        return round(elapsed * 1000)
 
     def run(self) -> int:
-        story, node, kubelet = self.story, self.node, self.kubelet
-        story.tell(
+        node, kubelet = self.node, self.kubelet
+        self.tell(
             f"Fake node in {node.root}: /dev/sev-guest links to /dev/null (a character device), "
             "/var/run/pcc is a directory."
         )
-        story.lap()
+        self.lap()
         kubelet.start()
-        story.tell(f"The simulated kubelet serves {kubelet.socket_path} ({story.lap()} ms).")
+        self.tell(f"The simulated kubelet serves {kubelet.socket_path} ({self.lap()} ms).")
 
-        self.daemon = self.story.daemon = daemon = Daemon.spawn_plugin(
+        self.daemon = daemon = Daemon.spawn_plugin(
             node.daemon_args(verbosity=1), node.root / "daemon.log"
         )
         # The log first: waiting on it fails at once if the daemon exits.
@@ -110,47 +103,44 @@ class Demo:
         registration = kubelet.registrations[-1]
         devices = kubelet.devices(RESOURCE)
         healthy = sum(health == HEALTHY for health in devices.values())
-        story.tell(
+        self.tell(
             f"The daemon (pid {daemon.pid}) registered {registration.resource_name} "
-            f"at endpoint {registration.endpoint} {story.lap()} ms after it was started, "
+            f"at endpoint {registration.endpoint} {self.lap()} ms after it was started, "
             f"and lists {len(devices)} devices, {healthy} healthy. Its log:"
         )
-        story.show_log()
+        self.show_log()
         self.allocate_one()
 
         kubelet.restart()
-        story.tell(f"Kubelet restarted, wiping every socket in its directory ({story.lap()} ms).")
+        self.tell(f"Kubelet restarted, wiping every socket in its directory ({self.lap()} ms).")
         daemon.wait_for_log(REGISTERED, TIMEOUT, count=2)
         kubelet.wait_for(lambda: registered(kubelet, 2), TIMEOUT)
-        story.tell(f"The daemon noticed and registered again after {story.lap()} ms:")
-        story.show_log()
+        self.tell(f"The daemon noticed and registered again after {self.lap()} ms:")
+        self.show_log()
         self.allocate_one()
 
         returncode = daemon.terminate(signal.SIGTERM, TIMEOUT)
-        story.tell(
-            f"SIGTERM sent: the daemon exited with code {returncode} after {story.lap()} ms."
-        )
-        story.show_log()
+        self.tell(f"SIGTERM sent: the daemon exited with code {returncode} after {self.lap()} ms.")
+        self.show_log()
         return 0 if returncode == 0 else 1
 
     def allocate_one(self) -> None:
         device_id = next(iter(self.kubelet.devices(RESOURCE)))
-        self.story.lap()
+        self.lap()
         response = self.kubelet.allocate(RESOURCE, [[device_id]])
-        self.story.tell(
-            f"Allocate of 1 device ({device_id}) answered in {self.story.lap()} ms. "
-            "The container gets:"
+        self.tell(
+            f"Allocate of 1 device ({device_id}) answered in {self.lap()} ms. The container gets:"
         )
         for line in what_the_container_gets(response):
             print(f"     {line}")
-        if self.story.step == 4:
+        if self.step == 4:
             print(
                 "   (Paths are the host's, as kubelet wants them: on a real node /dev/sev-guest "
                 "is the node's own device. Here no container starts and nothing on this "
                 "machine is touched; the daemon looked at the fake node under "
                 f"{self.node.host_root} through --host-root.)"
             )
-        self.story.show_log()
+        self.show_log()
 
     def close(self) -> None:
         if self.daemon is not None:
@@ -180,7 +170,7 @@ def main() -> None:
     try:
         status = demo.run()
     except (TimeoutError, RuntimeError, NoPluginError, grpc.RpcError) as error:
-        print(f"\nStep {demo.story.step + 1} failed: {error}")
+        print(f"\nStep {demo.step + 1} failed: {error}")
         if demo.daemon is not None:
             print(f"The daemon's log:\n{demo.daemon.log_text()}")
         status = 1

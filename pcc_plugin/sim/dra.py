@@ -22,6 +22,8 @@ opens the stream again 5 s later, until the instance goes or the stream answers 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import select
@@ -40,6 +42,7 @@ import h2.events
 import h2.exceptions
 from asyncinotify import InitFlags, Inotify, Mask
 
+from pcc_plugin.fs import connect_error
 from pcc_plugin.inotify import pending_events
 from pcc_plugin.sim._pb import (
     dra_health_v1_pb2,
@@ -49,16 +52,16 @@ from pcc_plugin.sim._pb import (
     pluginregistration_pb2,
 )
 from pcc_plugin.sim.apiserver import FakeApiServer
-from pcc_plugin.sim.state import serialize
+from pcc_plugin.sim.rules import CALL_TIMEOUT
+from pcc_plugin.sim.state import Simulator, serialize
 
 log = logging.getLogger(__name__)
 
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 NOTIFY = "/pluginregistration.Registration/NotifyRegistrationStatus"
-# Kubelet's registration deadlines and its DRA call timeout.
+# Kubelet's registration deadlines.
 GET_INFO_TIMEOUT = 1.0
 NOTIFY_TIMEOUT = 5.0
-CALL_TIMEOUT = 45.0
 # The services kubelet 1.37 speaks, as registrations name them, and their gRPC paths.
 SERVICES = {
     "v1.DRAPlugin": ("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/", dra_v1_pb2),
@@ -104,7 +107,7 @@ class DeviceHealthReport:
     received: float
 
 
-class SimDraKubelet:
+class SimDraKubelet(Simulator):
     """kubelet's plugin manager and DRA manager for one node."""
 
     def __init__(
@@ -123,18 +126,18 @@ class SimDraKubelet:
         self.health_services = health_services
         self.node = node
         self.api = api
-        self._changed = threading.Condition(threading.RLock())
+        super().__init__()
         self.registrations: list[DraRegistration] = []
         # Accepted instances by registration socket name, newest last.
         self._instances: dict[str, DraRegistration] = {}
         # By DRA socket: whether kubelet's connection to it is up, each time that changed.
         self.connections: dict[str, list[bool]] = {}
-        self._held: dict[str, HeldConnection] = {}
         # Each device's last health report, by (driver, pool, device); each health stream's
-        # history by DRA socket ("open", or why it ended); the watchers by DRA socket.
+        # history by DRA socket ("open", or why it ended).
         self._health: dict[tuple[str, str, str], DeviceHealthReport] = {}
         self.health_streams: dict[str, list[str]] = {}
-        self._watchers: dict[str, HealthWatcher] = {}
+        # By DRA socket: kubelet's held connection to it and its health watcher, if any.
+        self._links: dict[str, list[HeldConnection | HealthWatcher]] = {}
         self._thread: threading.Thread | None = None
         self._stop_write: int | None = None
 
@@ -164,32 +167,13 @@ class SimDraKubelet:
         self._stop_write = None
         with self._changed:
             self._instances.clear()
-            held, self._held = self._held, {}
-            watchers, self._watchers = self._watchers, {}
+            links, self._links = self._links, {}
             self._changed.notify_all()
-        for connection in held.values():
-            connection.close()
-        for watcher in watchers.values():
-            watcher.stop()
+        for link in itertools.chain.from_iterable(links.values()):
+            link.close()
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def __enter__(self) -> SimDraKubelet:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-        with self._changed:
-            if not self._changed.wait_for(predicate, timeout):
-                raise TimeoutError(
-                    f"{getattr(predicate, '__qualname__', predicate)} still false after "
-                    f"{timeout} s; registrations: {self.registrations[-3:]}"
-                )
+    def _describe(self) -> str:
+        return f"registrations: {self.registrations[-3:]}"
 
     def instances(self, driver: str) -> list[DraRegistration]:
         with self._changed:
@@ -295,61 +279,45 @@ class SimDraKubelet:
         if name.startswith(".") or not path.is_socket():
             return
         registration = self._register(path)
+        endpoint = registration.endpoint
         with self._changed:
             self.registrations.append(registration)
-            if registration.error is None:
-                self._instances.pop(name, None)
-                self._instances[name] = registration
-                log.info(
-                    "registered DRA driver %s at %s", registration.driver, registration.endpoint
-                )
-            else:
-                log.info("refused DRA plugin %s: %s", name, registration.error)
             self._changed.notify_all()
-        if registration.error is None:
-            self._connect(registration.endpoint)
-            if registration.health_service:
-                self._watch_health(registration)
+            if registration.error is not None:
+                log.info("refused DRA plugin %s: %s", name, registration.error)
+                return
+            self._instances.pop(name, None)
+            self._instances[name] = registration
+            log.info("registered DRA driver %s at %s", registration.driver, endpoint)
+            old = self._links.pop(endpoint, [])
+        # The old watcher's stream ends before the new one opens.
+        for link in old:
+            link.close()
+        links: list[HeldConnection | HealthWatcher] = [
+            HeldConnection(endpoint, functools.partial(self._connection_changed, endpoint))
+        ]
+        if registration.health_service:
+            links.append(HealthWatcher(self, registration))
+        with self._changed:
+            self._links[endpoint] = links
 
     def _vanished(self, name: str) -> None:
-        held = watcher = None
         with self._changed:
             instance = self._instances.pop(name, None)
-            if instance is not None:
-                log.info("deregistered the DRA plugin of %s", name)
-                held = self._held.pop(instance.endpoint, None)
-                watcher = self._watchers.pop(instance.endpoint, None)
+            if instance is None:
+                return
+            log.info("deregistered the DRA plugin of %s", name)
+            links = self._links.pop(instance.endpoint, [])
+            self._changed.notify_all()
+        for link in links:
+            link.close()
+
+    def _connection_changed(self, endpoint: str, up: bool) -> None:
+        with self._changed:
+            history = self.connections.setdefault(endpoint, [])
+            if history[-1:] != [up]:
+                history.append(up)
                 self._changed.notify_all()
-        if held is not None:
-            held.close()
-        if watcher is not None:
-            watcher.stop()
-
-    def _watch_health(self, registration: DraRegistration) -> None:
-        watcher = HealthWatcher(self, registration)
-        with self._changed:
-            old = self._watchers.pop(registration.endpoint, None)
-            self._watchers[registration.endpoint] = watcher
-        if old is not None:
-            old.stop()
-        watcher.start()
-
-    def _connect(self, endpoint: str) -> None:
-        """Kubelet's connection to a registered DRA socket, held and watched."""
-
-        def changed(up: bool) -> None:
-            with self._changed:
-                history = self.connections.setdefault(endpoint, [])
-                if history[-1:] != [up]:
-                    history.append(up)
-                    self._changed.notify_all()
-
-        connection = HeldConnection(endpoint, changed)
-        with self._changed:
-            old = self._held.pop(endpoint, None)
-            self._held[endpoint] = connection
-        if old is not None:
-            old.close()
 
     def _register(self, path: Path) -> DraRegistration:
         with grpc.insecure_channel(f"unix:{path}") as channel:
@@ -364,7 +332,7 @@ class SimDraKubelet:
                     path.name, "", "", "", (), False, f"GetInfo: {failure.code().name}"
                 )
             endpoint = info.endpoint or str(path)
-            served = _takes_connections(endpoint)
+            served = connect_error(Path(endpoint)) is None
             error = _validate(info, self.services)
             service = next((one for one in info.supported_versions if one in self.services), "")
             notify = channel.unary_unary(NOTIFY, request_serializer=serialize)
@@ -395,11 +363,9 @@ class HealthWatcher:
         self._lock = threading.Lock()
         self._call: Any = None
         self._thread = threading.Thread(target=self._run, name="sim-dra-health", daemon=True)
-
-    def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         self._stopped.set()
         with self._lock:
             if self._call is not None:
@@ -481,12 +447,3 @@ def _validate(info: Any, services: tuple[str, ...]) -> str | None:
     if not any(one in services for one in info.supported_versions):
         return f"none of the services {list(info.supported_versions)} is supported"
     return None
-
-
-def _takes_connections(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True

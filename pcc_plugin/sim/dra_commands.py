@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from pcc_plugin.flags import MAX_KUBELET_DIR_BYTES
-from pcc_plugin.sim.rules import is_dns_label, is_dns_subdomain
+from pcc_plugin.fs import connect_error
+from pcc_plugin.sim.rules import CALL_TIMEOUT
 
 DRIVER = "pcc.tke.cloud.tencent.com"
 NODE = "node-a"
@@ -47,26 +48,9 @@ class CommandError(Exception):
     """What went wrong, in one line with the fix; the command exits 1."""
 
 
-def dns_subdomain(value: str) -> str:
-    """A ResourceClaim's or a Node's name, as Kubernetes checks it."""
-    if not is_dns_subdomain(value):
-        raise ValueError(
-            f"{value!r} is not a DNS subdomain: lowercase letters, digits, '-' and '.', at most 253"
-        )
-    return value
-
-
-def dns_label(value: str) -> str:
-    """A namespace's name, as Kubernetes checks it."""
-    if not is_dns_label(value):
-        raise ValueError(
-            f"{value!r} is not a DNS label: lowercase letters, digits and '-', at most 63"
-        )
-    return value
-
-
-def usable_dir(directory: Path) -> Path:
-    """`directory`, created, absolute; CommandError if the simulator cannot serve there."""
+def unserved_dir(directory: Path) -> Path:
+    """`directory`, created, absolute, and served by no simulator (a dead one's socket
+    removed); CommandError if the simulator cannot serve there."""
     directory = directory.absolute()
     # The driver's sockets go in DIR/plugins_registry and DIR/plugins, the longer of the two.
     size = len(os.fsencode(directory / REGISTRY))
@@ -84,19 +68,10 @@ def usable_dir(directory: Path) -> Path:
         ) from None
     if not os.access(directory, os.W_OK | os.X_OK):
         raise CommandError(f"--dir {directory}: not writable; give a directory you can write")
-    return directory
-
-
-def unserved_dir(directory: Path) -> Path:
-    """`directory`, usable, and served by no simulator (a dead one's socket removed)."""
-    directory = usable_dir(directory)
     path = directory / CONTROL_SOCKET
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            path.unlink(missing_ok=True)
-            return directory
+    if isinstance(connect_error(path), (FileNotFoundError, ConnectionRefusedError)):
+        path.unlink(missing_ok=True)
+        return directory
     pid = ask(directory, {"call": "pid"}, 5.0)["pid"]
     raise CommandError(
         f"a simulator (pid {pid}) serves in {directory} already: stop it with "
@@ -123,19 +98,8 @@ def start_dra(directory: Path, node: str) -> int:
     directory = unserved_dir(directory)
     log_path = directory / LOG
     read_fd, write_fd = os.pipe()
-    argv = [
-        sys.executable,
-        "-m",
-        "pcc_plugin.sim",
-        "dra",
-        "--dir",
-        str(directory),
-        "--node",
-        node,
-        "--foreground",
-        "--ready-fd",
-        str(write_fd),
-    ]
+    argv = [sys.executable, "-m", "pcc_plugin.sim", "dra", "--foreground", f"--dir={directory}"]
+    argv += [f"--node={node}", f"--ready-fd={write_fd}"]
     with log_path.open("w") as log_file:
         child = subprocess.Popen(
             argv,
@@ -211,9 +175,7 @@ def claim_call(directory: Path, call: str, args: Any) -> dict[str, Any]:
     }
     if call == "prepare":
         request["device"] = args.device
-    # Imported here, for its h2; the answer may take kubelet's whole call deadline.
-    from pcc_plugin.sim.dra import CALL_TIMEOUT
-
+    # The answer may take kubelet's whole call deadline.
     return ask(directory, request, args.timeout + CALL_TIMEOUT + 5)
 
 

@@ -26,8 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import grpc
@@ -53,21 +52,21 @@ from pcc_plugin.sim.rules import (
 from pcc_plugin.sim.state import (
     DialError,
     KubeletResource,
+    Message,
     NoPluginError,
     PluginClient,
     PluginOptions,
     Registration,
-    as_is,
+    Simulator,
     serialize,
 )
 
 log = logging.getLogger(__name__)
 
-_Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
 
 
-class SimKubelet:
+class SimKubelet(Simulator):
     """Serves ``<plugin_dir>/kubelet.sock`` and talks to the plugins that register there.
 
     ``legacy``: answer Register first and dial the plugin afterwards, like older kubelets.
@@ -102,8 +101,7 @@ class SimKubelet:
         self.legacy = legacy
         self.key_by = key_by
         self.dial_timeout = dial_timeout
-        # Reentrant so that wait_for predicates may call the observation methods.
-        self._changed = threading.Condition(threading.RLock())
+        super().__init__()
         self._server: Any = None
         self._executor: ThreadPoolExecutor | None = None
         # Bumped by every stop, so work begun for an earlier kubelet instance is discarded.
@@ -123,18 +121,6 @@ class SimKubelet:
         # Called with each accepted registration, under the simulator's lock: how the command
         # tells `allocate` which endpoint a resource registered.
         self.on_registered: Callable[[Registration], None] | None = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # Lifecycle
 
@@ -199,11 +185,6 @@ class SimKubelet:
         with self._changed:
             self._record("kubelet stopped")
 
-    def restart(self) -> None:
-        """Stop, then start afresh: every socket in the directory, the plugins' too, is deleted."""
-        self.stop()
-        self.start()
-
     def crash(self) -> None:
         """Die as a killed kubelet does: every connection drops and kubelet.sock stays behind.
 
@@ -263,14 +244,13 @@ class SimKubelet:
     def devices(self, resource: str) -> dict[str, str]:
         """The latest device list of ``resource``: device ID to health."""
         with self._changed:
-            state = self._resources.get(resource)
-            return dict(state.devices) if state else {}
+            return dict(self._resource(resource).devices)
 
     def stream_open(self, resource: str) -> bool:
         """The active plugin of ``resource`` has sent a list and its stream has not ended."""
         with self._changed:
-            state = self._resources.get(resource)
-            return state is not None and state.active is not None and state.active.streaming
+            active = self._resource(resource).active
+            return active is not None and active.streaming
 
     def active_endpoint(self, resource: str) -> str | None:
         """The endpoint of the plugin kubelet uses for ``resource`` now, or None.
@@ -278,35 +258,20 @@ class SimKubelet:
         A legacy kubelet switches to a newly registered plugin only once it has dialled it.
         """
         with self._changed:
-            state = self._resources.get(resource)
-            return state.active.endpoint if state and state.active else None
+            active = self._resource(resource).active
+            return active.endpoint if active else None
 
     def messages(self, resource: str) -> int:
         """ListAndWatch messages received from the active plugins of ``resource``."""
         with self._changed:
-            state = self._resources.get(resource)
-            return state.messages if state else 0
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-        """Block until ``predicate()`` holds; raise TimeoutError describing the state otherwise."""
-        with self._changed:
-            if self._changed.wait_for(predicate, timeout):
-                return
-            raise TimeoutError(
-                f"{getattr(predicate, '__qualname__', predicate)} still false after {timeout} s; "
-                f"{self._describe()}"
-            )
+            return self._resource(resource).messages
 
     # Calls to plugins, as kubelet makes them
 
     def get_options(self, resource: str, timeout: float = 5.0) -> pb.DevicePluginOptions:
+        parse = pb.DevicePluginOptions.FromString
         response: pb.DevicePluginOptions = self._call(
-            resource,
-            GET_DEVICE_PLUGIN_OPTIONS,
-            pb.Empty(),
-            serialize,
-            pb.DevicePluginOptions.FromString,
-            timeout,
+            resource, GET_DEVICE_PLUGIN_OPTIONS, pb.Empty(), parse, timeout
         )
         return response
 
@@ -319,9 +284,8 @@ class SimKubelet:
                 pb.ContainerAllocateRequest(devices_ids=ids) for ids in container_requests
             ]
         )
-        response: pb.AllocateResponse = self._call(
-            resource, ALLOCATE, request, serialize, pb.AllocateResponse.FromString, timeout
-        )
+        parse = pb.AllocateResponse.FromString
+        response: pb.AllocateResponse = self._call(resource, ALLOCATE, request, parse, timeout)
         return response
 
     def get_preferred_allocation(
@@ -341,13 +305,9 @@ class SimKubelet:
                 )
             ]
         )
+        parse = pb.PreferredAllocationResponse.FromString
         response: pb.PreferredAllocationResponse = self._call(
-            resource,
-            GET_PREFERRED_ALLOCATION,
-            request,
-            serialize,
-            pb.PreferredAllocationResponse.FromString,
-            timeout,
+            resource, GET_PREFERRED_ALLOCATION, request, parse, timeout
         )
         return response
 
@@ -355,13 +315,9 @@ class SimKubelet:
         self, resource: str, device_ids: list[str], timeout: float = PRE_START_TIMEOUT
     ) -> pb.PreStartContainerResponse:
         request = pb.PreStartContainerRequest(devices_ids=device_ids)
+        parse = pb.PreStartContainerResponse.FromString
         response: pb.PreStartContainerResponse = self._call(
-            resource,
-            PRE_START_CONTAINER,
-            request,
-            serialize,
-            pb.PreStartContainerResponse.FromString,
-            timeout,
+            resource, PRE_START_CONTAINER, request, parse, timeout
         )
         return response
 
@@ -376,11 +332,9 @@ class SimKubelet:
         try:
             if isinstance(target, Path) or target.startswith("/"):
                 with self._dial_now(Path(target)) as channel:
-                    channel.unary_unary(
-                        method_path, request_serializer=as_is, response_deserializer=as_is
-                    )(payload, timeout=timeout)
+                    channel.unary_unary(method_path)(payload, timeout=timeout)
             else:
-                self._call(target, method_path, payload, as_is, as_is, timeout)
+                self._call(target, method_path, payload, bytes, timeout)
         except grpc.RpcError as rpc_error:
             return rpc_error.code(), rpc_error.details() or ""
         return grpc.StatusCode.OK, ""
@@ -637,25 +591,30 @@ class SimKubelet:
         if newest_to_disconnect is not None:
             newest_to_disconnect.channel.close()
 
+    def _resource(self, resource: str) -> KubeletResource:
+        """What kubelet keeps of ``resource``: nothing yet if no plugin registered it."""
+        return self._resources.get(resource) or KubeletResource()
+
     def _active_client(self, resource: str) -> PluginClient:
         with self._changed:
-            state = self._resources.get(resource)
-            if state is None or state.active is None or not state.active.connected:
+            active = self._resource(resource).active
+            if active is None or not active.connected:
                 raise NoPluginError(f"no connected device plugin for {resource}")
-            return state.active
+            return active
 
     def _call(
         self,
         resource: str,
         method_path: str,
-        request: _Request,
-        serialize: Callable[[_Request], bytes],
+        request: Message | bytes,
         parse: Callable[[bytes], _Response],
         timeout: float,
     ) -> _Response:
-        channel = self._active_client(resource).channel
-        method = channel.unary_unary(
-            method_path, request_serializer=serialize, response_deserializer=parse
+        """A unary call to the active plugin of ``resource``; bytes are sent as they are."""
+        method = self._active_client(resource).channel.unary_unary(
+            method_path,
+            request_serializer=None if isinstance(request, bytes) else serialize,
+            response_deserializer=parse,
         )
         try:
             response: _Response = method(request, timeout=timeout)
@@ -671,7 +630,6 @@ class SimKubelet:
         self._changed.notify_all()
 
     def _describe(self) -> str:
-        """The state in one line, for timeouts; the caller holds the lock."""
         resources = "; ".join(
             f"{name}: stream {'open' if self.stream_open(name) else 'closed'}, "
             f"{sum(h == HEALTHY for h in state.devices.values())}/{len(state.devices)} healthy, "

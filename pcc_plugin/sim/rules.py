@@ -14,6 +14,8 @@ UNHEALTHY = "Unhealthy"
 MAX_SOCKET_PATH_BYTES = 107
 DIAL_TIMEOUT = 10.0
 PRE_START_TIMEOUT = 30.0
+# Kubelet's deadline for a DRA driver's NodePrepareResources and NodeUnprepareResources.
+CALL_TIMEOUT = 45.0
 
 # Written out here, not taken from generated code, so a wrong package or service name in the
 # daemon's proto fails against the simulator as it would against a real kubelet.
@@ -43,14 +45,9 @@ def is_dns_label(value: str) -> bool:
 
 def is_qualified_name(value: str) -> bool:
     """Kubernetes' IsQualifiedName: an optional DNS-1123 subdomain prefix and a short name."""
-    parts = value.split("/")
-    if len(parts) > 2:
+    prefix, slash, name = value.rpartition("/")
+    if slash and not is_dns_subdomain(prefix):
         return False
-    if len(parts) == 2:
-        prefix = parts[0]
-        if not is_dns_subdomain(prefix):
-            return False
-    name = parts[-1]
     return len(name) <= 63 and _QUALIFIED_NAME_PART.fullmatch(name) is not None
 
 

@@ -1,11 +1,52 @@
-"""What the simulated kubelet keeps: its clients of plugins, resources and registrations."""
+"""What the simulators share, and what the simulated kubelet keeps: its clients of plugins,
+resources and registrations."""
 
 from __future__ import annotations
 
+import abc
 import threading
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, Self
 
 import attrs
+
+
+class Simulator(abc.ABC):
+    """Started and stopped, also as a context manager; `wait_for` is woken by each change."""
+
+    def __init__(self) -> None:
+        # Reentrant so that wait_for predicates may call the observation methods.
+        self._changed = threading.Condition(threading.RLock())
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def _describe(self) -> str:
+        """The state in one line, for timeouts; the caller holds the lock."""
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Block until ``predicate()`` holds; raise TimeoutError describing the state otherwise."""
+        with self._changed:
+            if not self._changed.wait_for(predicate, timeout):
+                raise TimeoutError(
+                    f"{getattr(predicate, '__qualname__', predicate)} still false after "
+                    f"{timeout} s; {self._describe()}"
+                )
 
 
 class NoPluginError(LookupError):
@@ -76,10 +117,6 @@ class KubeletResource:
 
 class DialError(Exception):
     pass
-
-
-def as_is(data: bytes) -> bytes:
-    return data
 
 
 def serialize(message: Message) -> bytes:
