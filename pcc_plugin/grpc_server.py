@@ -136,10 +136,6 @@ class MethodSpec:
     answer: Answer | None = None
     stream: Stream | None = None
 
-    @property
-    def streaming(self) -> bool:
-        return self.stream is not None
-
 
 @attrs.define
 class LargeMessageBudget:
@@ -251,9 +247,6 @@ class Connection:
 
     # trio's side
 
-    def evict(self) -> None:
-        self.close()
-
     def close(self) -> None:
         """Close the connection now: its calls are cancelled, its streams end."""
         if self.transport is not None:
@@ -261,6 +254,8 @@ class Connection:
         for task in self._calls:
             task.cancel()
         self.lost()
+
+    evict = close
 
     async def wait_finished(self) -> None:
         if self._calls:
@@ -381,7 +376,7 @@ class Server:
         """Accept and serve connections until cancelled, then close every one."""
         self._grpc = _grpclib.server(
             {
-                path: (self._method(path, spec), spec.streaming)
+                path: (functools.partial(self._serve_call, path, spec), spec.stream is not None)
                 for path, spec in self.methods.items()
             },
             _unknown_method,
@@ -435,7 +430,7 @@ class Server:
         """Until the connection closes, or must be closed for silence or idleness."""
 
         def started() -> bool:
-            return connection.greeted if self.idle_client else connection.requests > 0
+            return connection.greeted if self.idle_client else connection.sent_request
 
         with trio.move_on_after(FIRST_REQUEST_TIMEOUT):
             while not started() and not connection.closed:
@@ -462,12 +457,6 @@ class Server:
                 await connection.changed()
 
     # asyncio: one call
-
-    def _method(self, path: str, spec: MethodSpec) -> _grpclib.MethodFunc:
-        async def serve_call(stream: _grpclib.ServerStream) -> None:
-            await self._serve_call(path, spec, stream)
-
-        return serve_call
 
     async def _serve_call(self, path: str, spec: MethodSpec, stream: _grpclib.ServerStream) -> None:
         """One call of a method; GRPCError tells grpclib the status to answer."""
