@@ -28,10 +28,6 @@ class WireError(ValueError):
 class TooMany(Exception):
     """More items than the caller allows; reading stopped there."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit)
-        self.limit = limit
-
 
 class TooLong(Exception):
     """A string longer than the caller allows; it was not decoded."""

@@ -139,24 +139,19 @@ def read_claims(data: bytes, name: str) -> list[ClaimRef]:
     past one costs what its bytes up to there cost (INVALID_ARGUMENT), not all of it."""
     try:
         read = wire.read_claims_request(data, MAX_CLAIMS, MAX_CLAIM_BYTES)
+        claims = [ClaimRef(claim["namespace"], claim["name"], claim["uid"]) for claim in read]
+        if all(claim.uid and claim.namespace and claim.name for claim in claims):
+            return claims
+        why = f"{name} names a claim without namespace, name or UID"
     except wire.TooManyOthers:
         why = f"{name} has more than {MAX_CLAIMS} fields besides its claims"
-        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
     except wire.TooMany:
         why = f"{name} has more than {MAX_CLAIMS} claims"
-        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
     except wire.TooLong as exc:
         why = (
             f"{name} names a claim of {exc.size} bytes, more than the {MAX_CLAIM_BYTES} of any "
             "claim kubelet names"
         )
-        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
     except wire.WireError as exc:
-        raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from None
-    claims = [ClaimRef(claim["namespace"], claim["name"], claim["uid"]) for claim in read]
-    for claim in claims:
-        if not claim.uid or not claim.namespace or not claim.name:
-            raise GRPCError(
-                Status.INVALID_ARGUMENT, f"{name} names a claim without namespace, name or UID"
-            )
-    return claims
+        why = f"cannot decode {name}: {exc}"
+    raise GRPCError(Status.INVALID_ARGUMENT, why)
