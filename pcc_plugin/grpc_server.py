@@ -81,16 +81,14 @@ TEARDOWN_GRACE = 1.0
 CONNECTION: contextvars.ContextVar[Connection] = contextvars.ContextVar("connection")
 
 
+@attrs.define(eq=False)
 class Call:
     """One gRPC call, as a method sees it: read the request, send answers."""
 
-    def __init__(
-        self, server: Server, connection: Connection, stream: _grpclib.ServerStream, path: str
-    ) -> None:
-        self.server = server
-        self.connection = connection
-        self.path = path
-        self._stream = stream
+    server: Server
+    connection: Connection
+    _stream: _grpclib.ServerStream
+    path: str
 
     async def receive(self) -> bytes:
         """The request message (empty bytes for an absent one), read within the limits above."""
@@ -141,13 +139,12 @@ class MethodSpec:
 class LargeMessageBudget:
     """Bytes of large messages being read at once, across every connection."""
 
-    limit: int = LARGE_MESSAGE_BUDGET
     in_use: int = 0
 
     @contextlib.contextmanager
     def reserve(self, size: int) -> Any:
         size = size if size > WINDOW else 0
-        if self.in_use + size > self.limit:
+        if self.in_use + size > LARGE_MESSAGE_BUDGET:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
                 f"busy reading other large messages; retry, or send less than {WINDOW} bytes",
