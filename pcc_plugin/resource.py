@@ -149,10 +149,6 @@ def seen_from_here(host_root: str, host_path: str) -> str:
     return host_root + host_path
 
 
-def watched_paths(spec: ResourceSpec, host_root: str) -> list[str]:
-    return [seen_from_here(host_root, path) for path in spec.host_paths()]
-
-
 @attrs.frozen
 class Problem:
     """Why a device cannot be used: in the words operators search for (`text`), and as a
@@ -218,12 +214,6 @@ def shared_problem(spec: ResourceSpec, host_root: str) -> Problem | None:
         if problem:
             return problem
     return None
-
-
-def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
-    """Why the node cannot serve any of `spec` now, in the words operators search for."""
-    problem = shared_problem(spec, host_root)
-    return problem.text if problem else None
 
 
 def pcc_start_problem(spec: ResourceSpec, host_root: str) -> str | None:
