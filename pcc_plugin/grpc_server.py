@@ -360,10 +360,6 @@ class Server:
         self.cap: ConnectionCap[Connection] = ConnectionCap(MAX_CONNECTIONS, "connections", log)
         self._grpc: grpclib.server.Server | None = None
 
-    @property
-    def connections(self) -> list[Connection]:
-        return self.cap.open
-
     async def serve(
         self,
         listener: Listener,
