@@ -8,24 +8,15 @@ closes every connection, cancels every call and waits for them (`TEARDOWN_GRACE`
 so nothing of a generation outlives it. A call runs as an asyncio task that grpclib starts;
 `CONNECTION` tells it which connection it came on.
 
-Limits (README, "Limits"), each against one way a neighbour can hurt us:
-
-- `MAX_CONNECTIONS` at once (pcc_plugin/connection_cap.py says which one makes room).
-- A connection must send the HTTP/2 preface and a first call within `FIRST_REQUEST_TIMEOUT`,
-  and is closed after `IDLE_TIMEOUT` without one (kubelet's always has its ListAndWatch).
-  A server for a client that holds its connection open between calls (`idle_client`: kubelet
-  on a DRA socket) asks only for the preface in that time, and never closes for idleness.
-- `MAX_STREAMS_PER_CONNECTION` calls served at once on one connection; more are refused
-  with RESOURCE_EXHAUSTED (and h2 closes a connection that opens more than 100 streams).
-- A message may have at most `MAX_MESSAGE_BYTES` (gRPC's and kubelet's default); a larger
-  one is refused from its 5-byte prefix, before any of it is read, with RESOURCE_EXHAUSTED,
-  and its stream is reset. Flow-control windows of `WINDOW` bytes stop a peer from pushing
-  more than that ahead of what is read; messages larger than `WINDOW` share a budget of
-  `LARGE_MESSAGE_BUDGET` bytes.
-- A request must arrive whole within `RECEIVE_TIMEOUT`; a unary call must be answered within
-  `UNARY_TIMEOUT` (or the client's shorter deadline, which grpclib keeps).
-- A client's mistake is answered with a status that names it; a method's unexpected error is
-  logged with its traceback, counted, and answered INTERNAL.
+The limits below are the README's ("Limits", which says what each guards against):
+`MAX_CONNECTIONS` (connection_cap.py says which makes room); the HTTP/2 preface and a first
+call within `FIRST_REQUEST_TIMEOUT`, then closed after `IDLE_TIMEOUT` without a call (a server
+for an `idle_client`, see Server, asks only for the preface); `MAX_STREAMS_PER_CONNECTION`;
+`MAX_MESSAGE_BYTES`, refused from the 5-byte prefix before any of the message is read;
+flow-control windows of `WINDOW` bytes, larger messages sharing `LARGE_MESSAGE_BUDGET`; a
+request whole within `RECEIVE_TIMEOUT`, a unary answer within `UNARY_TIMEOUT`. A client's
+mistake is answered with a status that names it; a method's unexpected error is logged with its
+traceback, counted, and answered INTERNAL.
 """
 
 from __future__ import annotations

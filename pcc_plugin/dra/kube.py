@@ -119,8 +119,7 @@ async def _next(events: AsyncGenerator[_T, None]) -> _T:
 
 
 def _as_dict(model: Any) -> Obj:
-    found: Obj = model.to_dict()
-    return found
+    return cast(Obj, model.to_dict())
 
 
 def _slice(obj: Obj) -> Any:

@@ -12,6 +12,8 @@ import functools
 import logging
 from typing import Any
 
+import attrs
+
 from pcc_plugin import cdi, wire
 from pcc_plugin._proto import pluginregistration as registration
 from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1, v1beta1
@@ -79,11 +81,11 @@ class RegistrationService:
         return b""
 
 
+@attrs.define
 class DraService:
     """NodePrepareResources and NodeUnprepareResources, in both versions kubelet may pick."""
 
-    def __init__(self, preparer: Preparer) -> None:
-        self._preparer = preparer
+    _preparer: Preparer
 
     def methods(self) -> dict[str, MethodSpec]:
         methods = {}
