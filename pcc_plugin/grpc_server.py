@@ -298,7 +298,7 @@ class Listener(trio.abc.Listener[trio.SocketStream]):
     def __init__(self, sock: socket.socket, path: Path, own: Identity) -> None:
         self._listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         self._path = path
-        self._own = own
+        self.own = own
         self._ready = trio.Event()
         self._ready.set()
 
@@ -314,7 +314,7 @@ class Listener(trio.abc.Listener[trio.SocketStream]):
 
     async def aclose(self) -> None:
         # The name first: whoever finds the file finds it listening.
-        if identity(self._path) == self._own:
+        if identity(self._path) == self.own:
             try:
                 os.unlink(self._path)
             except OSError as exc:
@@ -355,9 +355,10 @@ class Server:
         self,
         listener: Listener,
         *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[Identity] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept and serve connections until cancelled, then close every one."""
+        """Accept and serve connections until cancelled, then close every one; hands back the
+        identity of the socket's file once listening."""
         self._grpc = _grpclib.server(
             {
                 path: (functools.partial(self._serve_call, path, spec), spec.stream is not None)
@@ -369,7 +370,7 @@ class Server:
         handler = functools.partial(self.serve_connection, listener)
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, handler, [listener])
-            task_status.started()
+            task_status.started(listener.own)
 
     async def serve_connection(self, listener: Listener, stream: trio.SocketStream) -> None:
         """Serve one connection until it ends or must be closed; never raises."""
@@ -514,14 +515,11 @@ def bind(path: Path) -> tuple[socket.socket, Identity]:
 
 
 async def serve(
-    server: Server,
-    sock: socket.socket,
-    path: Path,
-    own: Identity,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    server: Server, path: Path, *, task_status: trio.TaskStatus[Identity] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Serve on `sock` until cancelled; then close it and remove its file if still ours."""
+    """Serve at `path` (OSError as `bind` raises it) until cancelled; then close the socket and
+    remove its file if still ours. Hands back the identity of the file once listening."""
+    sock, own = bind(path)
     listener = Listener(sock, path, own)
     try:
         await server.serve(listener, task_status=task_status)

@@ -61,8 +61,7 @@ async def serving(
     methods = plugin.methods(KubeletLink(plugin.state))
     server = grpc_server.Server(methods, plugin.state.handler_failed, idle_client=idle_client)
     async with trio.open_nursery() as nursery:
-        listener, own = grpc_server.bind(socket_path)
-        await nursery.start(grpc_server.serve, server, listener, socket_path, own)
+        await nursery.start(grpc_server.serve, server, socket_path)
         yield server
         nursery.cancel_scope.cancel()
 
