@@ -175,11 +175,7 @@ def _resource(where: str, value: Any) -> ResourceSpec:
             f"{where}.name", f"{shown_value(name)} would be rejected by kubelet: {problem}"
         )
     count = entry.get("count", 1)
-    if (
-        not isinstance(count, int)
-        or isinstance(count, bool)
-        or not 1 <= count <= MAX_RESOURCE_COUNT
-    ):
+    if type(count) is not int or not 1 <= count <= MAX_RESOURCE_COUNT:
         raise KeyProblem(f"{where}.count", f"must be a whole number from 1 to {MAX_RESOURCE_COUNT}")
     prefix = entry.get("socketPrefix", _default_prefix(name))
     if not isinstance(prefix, str) or not _SOCKET_PREFIX.fullmatch(prefix):
