@@ -88,15 +88,12 @@ class DraService:
     _preparer: Preparer
 
     def methods(self) -> dict[str, MethodSpec]:
-        methods = {}
-        for service, api in ((DRA_V1, v1), (DRA_V1BETA1, v1beta1)):
-            methods[service + "NodePrepareResources"] = MethodSpec(
-                functools.partial(self.prepare, api)
-            )
-            methods[service + "NodeUnprepareResources"] = MethodSpec(
-                functools.partial(self.unprepare, api)
-            )
-        return methods
+        calls = {"NodePrepareResources": self.prepare, "NodeUnprepareResources": self.unprepare}
+        return {
+            service + name: MethodSpec(functools.partial(call, api))
+            for service, api in ((DRA_V1, v1), (DRA_V1BETA1, v1beta1))
+            for name, call in calls.items()
+        }
 
     async def prepare(self, api: Any, data: bytes, call: Call) -> bytes:
         claims = read_claims(data, "NodePrepareResourcesRequest")
