@@ -71,15 +71,15 @@ def _edits(spec: ResourceSpec, device: Device) -> dict[str, Any]:
     return edits
 
 
-def build_spec(spec: ResourceSpec, devices: tuple[Device, ...], owner: str) -> dict[str, Any]:
-    by_name = {device.group: device for device in devices if device.healthy}
+def build_spec(kind: str, spec: ResourceSpec, devices: dict[str, Device], owner: str) -> Any:
+    """A spec of `kind` (`vendor/class`), each of `devices` by its name."""
     return {
         "cdiVersion": CDI_VERSION,
-        "kind": spec.name,
+        "kind": kind,
         "annotations": {OWNER: owner},
         "devices": [
             {"name": name, "containerEdits": _edits(spec, device)}
-            for name, device in sorted(by_name.items())
+            for name, device in sorted(devices.items())
         ],
     }
 
@@ -90,8 +90,9 @@ def write_spec(
     """Write the resource's spec as instance `owner`; None when written, else why not (one
     line). A spec file of another instance, or not of this plugin, is left as it is."""
     path = spec_path(directory, spec.name)
+    healthy = {device.group: device for device in devices if device.healthy}
     try:
-        problem = _write(path, build_spec(spec, devices, owner), owner)
+        problem = _write(path, build_spec(spec.name, spec, healthy, owner), owner)
     except OSError as exc:
         return f"Cannot write CDI spec {path}: {exc}; containers get devices without CDI"
     if problem:
@@ -142,12 +143,7 @@ def write_claim_spec(
 ) -> None:
     """Write the spec of a prepared claim as instance `owner`; OSError or CdiConflict if not."""
     path = claim_spec_path(directory, driver, claim_uid)
-    document = {
-        "cdiVersion": CDI_VERSION,
-        "kind": f"{driver}/{CLAIM_CLASS}",
-        "annotations": {OWNER: owner},
-        "devices": [{"name": claim_uid, "containerEdits": _edits(spec, device)}],
-    }
+    document = build_spec(f"{driver}/{CLAIM_CLASS}", spec, {claim_uid: device}, owner)
     problem = _write(path, document, owner, any_instance=True)
     if problem:
         raise CdiConflict(problem)

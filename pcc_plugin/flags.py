@@ -313,15 +313,11 @@ def go_style(argv: Sequence[str]) -> list[str]:
     return normalised
 
 
-def _whole_number(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            return int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-
-    parse.__name__ = name
-    return parse
+def _whole_number(text: str) -> int:
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
 
 
 def build_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
@@ -337,7 +333,7 @@ def build_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentP
             name,
             dest=field.name,
             default=field.default,
-            type=_whole_number(name) if isinstance(field.default, int) else str,
+            type=_whole_number if isinstance(field.default, int) else str,
             metavar=field.metadata["metavar"],
             help=f"{help_text} (default: {shown})",
         )

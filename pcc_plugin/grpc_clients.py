@@ -3,6 +3,7 @@ or DRA driver."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
@@ -41,10 +42,12 @@ async def _call(function: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.
         raise
 
 
-def _channel(socket_path: Path) -> grpclib.client.Channel:
+def _channel(socket_path: Path) -> contextlib.closing[grpclib.client.Channel]:
+    """A channel to the socket, closed as the block ends."""
     # Given a codec, grpclib does not try to import googleapis' status protos for error
     # details (never read here): 12 ms before the first Register where google's protobuf is.
-    return grpclib.client.Channel(path=str(socket_path), codec=grpclib.encoding.proto.ProtoCodec())
+    codec = grpclib.encoding.proto.ProtoCodec()
+    return contextlib.closing(grpclib.client.Channel(path=str(socket_path), codec=codec))
 
 
 class RegisterFailed(Exception):
@@ -60,18 +63,15 @@ async def register(kubelet_socket: Path, request: api.RegisterRequest, deadline:
 
     The deadline (seconds) travels as grpc-timeout, so kubelet stops waiting too.
     """
-    channel = _channel(kubelet_socket)
-    try:
-        stub = api.RegistrationStub(channel)
-        await _call(stub.register, request, timeout=deadline)
-    except grpclib.exceptions.GRPCError as exc:
-        raise RegisterFailed(f"kubelet answered {exc.status.name}: {exc.message}") from None
-    except TimeoutError:
-        raise Unreachable(f"kubelet did not answer within {deadline:g} s") from None
-    except _UNREACHABLE as exc:
-        raise Unreachable(f"cannot reach {kubelet_socket}: {exc}") from None
-    finally:
-        channel.close()
+    with _channel(kubelet_socket) as channel:
+        try:
+            await _call(api.RegistrationStub(channel).register, request, timeout=deadline)
+        except grpclib.exceptions.GRPCError as exc:
+            raise RegisterFailed(f"kubelet answered {exc.status.name}: {exc.message}") from None
+        except TimeoutError:
+            raise Unreachable(f"kubelet did not answer within {deadline:g} s") from None
+        except _UNREACHABLE as exc:
+            raise Unreachable(f"cannot reach {kubelet_socket}: {exc}") from None
 
 
 class CallFailed(Exception):
@@ -85,20 +85,18 @@ async def probe_unimplemented(socket_path: Path, method: str, deadline: float) -
     there; otherwise returns what happened instead. The deadline (seconds)
     travels as grpc-timeout.
     """
-    channel = _channel(socket_path)
-    call = grpclib.client.UnaryUnaryMethod(channel, method, api.Empty, api.Empty)
-    try:
-        await _call(call, api.Empty(), timeout=deadline)
-    except grpclib.exceptions.GRPCError as exc:
-        if exc.status is grpclib.const.Status.UNIMPLEMENTED:
-            return None
-        return f"answered {exc.status.name}: {exc.message}"
-    except TimeoutError:
-        return f"no answer within {deadline:g} s"
-    except _UNREACHABLE as exc:
-        return f"cannot reach {socket_path}: {exc}"
-    finally:
-        channel.close()
+    with _channel(socket_path) as channel:
+        call = grpclib.client.UnaryUnaryMethod(channel, method, api.Empty, api.Empty)
+        try:
+            await _call(call, api.Empty(), timeout=deadline)
+        except grpclib.exceptions.GRPCError as exc:
+            if exc.status is grpclib.const.Status.UNIMPLEMENTED:
+                return None
+            return f"answered {exc.status.name}: {exc.message}"
+        except TimeoutError:
+            return f"no answer within {deadline:g} s"
+        except _UNREACHABLE as exc:
+            return f"cannot reach {socket_path}: {exc}"
     return f"answered OK to {method}, which it should not offer"
 
 
@@ -109,18 +107,16 @@ async def read_device_plugin(
 
     The stream is closed after its first message. Raises CallFailed naming the step.
     """
-    channel = _channel(socket_path)
-    stub = api.DevicePluginStub(channel)
     step = "GetDevicePluginOptions"
-    try:
-        options = await _call(stub.get_device_plugin_options, api.Empty(), timeout=deadline)
-        step = "ListAndWatch"
-        listings: list[api.ListAndWatchResponse] = []
-        await _call(_list_and_watch, channel, listings, deadline)
-    except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
-        raise _call_failed(step, exc, deadline) from None
-    finally:
-        channel.close()
+    with _channel(socket_path) as channel:
+        try:
+            stub = api.DevicePluginStub(channel)
+            options = await _call(stub.get_device_plugin_options, api.Empty(), timeout=deadline)
+            step = "ListAndWatch"
+            listings: list[api.ListAndWatchResponse] = []
+            await _call(_list_and_watch, channel, listings, deadline)
+        except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
+            raise _call_failed(step, exc, deadline) from None
     if not listings:
         raise CallFailed("ListAndWatch ended without sending a device list")
     return options, listings[0]
@@ -134,14 +130,12 @@ async def read_plugin_info(socket_path: Path, deadline: float) -> pluginregistra
     # Only the doctor asks this: the daemon does not load these messages for it.
     from pcc_plugin._proto import pluginregistration as registration
 
-    channel = _channel(socket_path)
-    try:
-        stub = registration.RegistrationStub(channel)
-        return await _call(stub.get_info, registration.InfoRequest(), timeout=deadline)
-    except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
-        raise _call_failed("GetInfo", exc, deadline) from None
-    finally:
-        channel.close()
+    with _channel(socket_path) as channel:
+        try:
+            stub = registration.RegistrationStub(channel)
+            return await _call(stub.get_info, registration.InfoRequest(), timeout=deadline)
+        except (grpclib.exceptions.GRPCError, TimeoutError, *_UNREACHABLE) as exc:
+            raise _call_failed("GetInfo", exc, deadline) from None
 
 
 def _call_failed(step: str, exc: BaseException, deadline: float) -> CallFailed:
@@ -158,20 +152,18 @@ async def follow_list_and_watch(socket_path: Path) -> tuple[bool, str]:
     Returns whether a device list came (the plugin was alive), and how it ended. A
     held stream ends the moment the serving process does, however it dies.
     """
-    channel = _channel(socket_path)
     received: list[api.ListAndWatchResponse] = []
-    try:
-        await _call(_list_and_watch, channel, received)
-    except grpclib.exceptions.GRPCError as exc:
-        return bool(received), f"its stream ended with {exc.status.name}"
-    except _UNREACHABLE as exc:
-        return bool(received), f"its connection ended ({exc})"
-    except Exception as exc:
-        # Whatever the other end did (it is another process, maybe a dying one), the
-        # stream is over; that is all the caller needs to know.
-        return bool(received), f"its stream failed ({type(exc).__name__}: {exc})"
-    finally:
-        channel.close()
+    with _channel(socket_path) as channel:
+        try:
+            await _call(_list_and_watch, channel, received)
+        except grpclib.exceptions.GRPCError as exc:
+            return bool(received), f"its stream ended with {exc.status.name}"
+        except _UNREACHABLE as exc:
+            return bool(received), f"its connection ended ({exc})"
+        except Exception as exc:
+            # Whatever the other end did (it is another process, maybe a dying one), the
+            # stream is over; that is all the caller needs to know.
+            return bool(received), f"its stream failed ({type(exc).__name__}: {exc})"
     return bool(received), "its stream ended"
 
 

@@ -8,24 +8,15 @@ closes every connection, cancels every call and waits for them (`TEARDOWN_GRACE`
 so nothing of a generation outlives it. A call runs as an asyncio task that grpclib starts;
 `CONNECTION` tells it which connection it came on.
 
-Limits (README, "Limits"), each against one way a neighbour can hurt us:
-
-- `MAX_CONNECTIONS` at once (pcc_plugin/connection_cap.py says which one makes room).
-- A connection must send the HTTP/2 preface and a first call within `FIRST_REQUEST_TIMEOUT`,
-  and is closed after `IDLE_TIMEOUT` without one (kubelet's always has its ListAndWatch).
-  A server for a client that holds its connection open between calls (`idle_client`: kubelet
-  on a DRA socket) asks only for the preface in that time, and never closes for idleness.
-- `MAX_STREAMS_PER_CONNECTION` calls served at once on one connection; more are refused
-  with RESOURCE_EXHAUSTED (and h2 closes a connection that opens more than 100 streams).
-- A message may have at most `MAX_MESSAGE_BYTES` (gRPC's and kubelet's default); a larger
-  one is refused from its 5-byte prefix, before any of it is read, with RESOURCE_EXHAUSTED,
-  and its stream is reset. Flow-control windows of `WINDOW` bytes stop a peer from pushing
-  more than that ahead of what is read; messages larger than `WINDOW` share a budget of
-  `LARGE_MESSAGE_BUDGET` bytes.
-- A request must arrive whole within `RECEIVE_TIMEOUT`; a unary call must be answered within
-  `UNARY_TIMEOUT` (or the client's shorter deadline, which grpclib keeps).
-- A client's mistake is answered with a status that names it; a method's unexpected error is
-  logged with its traceback, counted, and answered INTERNAL.
+The limits below are the README's ("Limits", which says what each guards against):
+`MAX_CONNECTIONS` (connection_cap.py says which makes room); the HTTP/2 preface and a first
+call within `FIRST_REQUEST_TIMEOUT`, then closed after `IDLE_TIMEOUT` without a call (a server
+for an `idle_client`, see Server, asks only for the preface); `MAX_STREAMS_PER_CONNECTION`;
+`MAX_MESSAGE_BYTES`, refused from the 5-byte prefix before any of the message is read;
+flow-control windows of `WINDOW` bytes, larger messages sharing `LARGE_MESSAGE_BUDGET`; a
+request whole within `RECEIVE_TIMEOUT`, a unary answer within `UNARY_TIMEOUT`. A client's
+mistake is answered with a status that names it; a method's unexpected error is logged with its
+traceback, counted, and answered INTERNAL.
 """
 
 from __future__ import annotations
@@ -81,16 +72,14 @@ TEARDOWN_GRACE = 1.0
 CONNECTION: contextvars.ContextVar[Connection] = contextvars.ContextVar("connection")
 
 
+@attrs.define(eq=False)
 class Call:
     """One gRPC call, as a method sees it: read the request, send answers."""
 
-    def __init__(
-        self, server: Server, connection: Connection, stream: _grpclib.ServerStream, path: str
-    ) -> None:
-        self.server = server
-        self.connection = connection
-        self.path = path
-        self._stream = stream
+    server: Server
+    connection: Connection
+    _stream: _grpclib.ServerStream
+    path: str
 
     async def receive(self) -> bytes:
         """The request message (empty bytes for an absent one), read within the limits above."""
@@ -136,22 +125,17 @@ class MethodSpec:
     answer: Answer | None = None
     stream: Stream | None = None
 
-    @property
-    def streaming(self) -> bool:
-        return self.stream is not None
-
 
 @attrs.define
 class LargeMessageBudget:
     """Bytes of large messages being read at once, across every connection."""
 
-    limit: int = LARGE_MESSAGE_BUDGET
     in_use: int = 0
 
     @contextlib.contextmanager
     def reserve(self, size: int) -> Any:
         size = size if size > WINDOW else 0
-        if self.in_use + size > self.limit:
+        if self.in_use + size > LARGE_MESSAGE_BUDGET:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
                 f"busy reading other large messages; retry, or send less than {WINDOW} bytes",
@@ -251,9 +235,6 @@ class Connection:
 
     # trio's side
 
-    def evict(self) -> None:
-        self.close()
-
     def close(self) -> None:
         """Close the connection now: its calls are cancelled, its streams end."""
         if self.transport is not None:
@@ -261,6 +242,8 @@ class Connection:
         for task in self._calls:
             task.cancel()
         self.lost()
+
+    evict = close
 
     async def wait_finished(self) -> None:
         if self._calls:
@@ -315,7 +298,7 @@ class Listener(trio.abc.Listener[trio.SocketStream]):
     def __init__(self, sock: socket.socket, path: Path, own: Identity) -> None:
         self._listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         self._path = path
-        self._own = own
+        self.own = own
         self._ready = trio.Event()
         self._ready.set()
 
@@ -331,7 +314,7 @@ class Listener(trio.abc.Listener[trio.SocketStream]):
 
     async def aclose(self) -> None:
         # The name first: whoever finds the file finds it listening.
-        if identity(self._path) == self._own:
+        if identity(self._path) == self.own:
             try:
                 os.unlink(self._path)
             except OSError as exc:
@@ -368,20 +351,17 @@ class Server:
         self.cap: ConnectionCap[Connection] = ConnectionCap(MAX_CONNECTIONS, "connections", log)
         self._grpc: grpclib.server.Server | None = None
 
-    @property
-    def connections(self) -> list[Connection]:
-        return self.cap.open
-
     async def serve(
         self,
         listener: Listener,
         *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[Identity] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept and serve connections until cancelled, then close every one."""
+        """Accept and serve connections until cancelled, then close every one; hands back the
+        identity of the socket's file once listening."""
         self._grpc = _grpclib.server(
             {
-                path: (self._method(path, spec), spec.streaming)
+                path: (functools.partial(self._serve_call, path, spec), spec.stream is not None)
                 for path, spec in self.methods.items()
             },
             _unknown_method,
@@ -390,7 +370,7 @@ class Server:
         handler = functools.partial(self.serve_connection, listener)
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, handler, [listener])
-            task_status.started()
+            task_status.started(listener.own)
 
     async def serve_connection(self, listener: Listener, stream: trio.SocketStream) -> None:
         """Serve one connection until it ends or must be closed; never raises."""
@@ -435,7 +415,7 @@ class Server:
         """Until the connection closes, or must be closed for silence or idleness."""
 
         def started() -> bool:
-            return connection.greeted if self.idle_client else connection.requests > 0
+            return connection.greeted if self.idle_client else connection.sent_request
 
         with trio.move_on_after(FIRST_REQUEST_TIMEOUT):
             while not started() and not connection.closed:
@@ -462,12 +442,6 @@ class Server:
                 await connection.changed()
 
     # asyncio: one call
-
-    def _method(self, path: str, spec: MethodSpec) -> _grpclib.MethodFunc:
-        async def serve_call(stream: _grpclib.ServerStream) -> None:
-            await self._serve_call(path, spec, stream)
-
-        return serve_call
 
     async def _serve_call(self, path: str, spec: MethodSpec, stream: _grpclib.ServerStream) -> None:
         """One call of a method; GRPCError tells grpclib the status to answer."""
@@ -541,14 +515,11 @@ def bind(path: Path) -> tuple[socket.socket, Identity]:
 
 
 async def serve(
-    server: Server,
-    sock: socket.socket,
-    path: Path,
-    own: Identity,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    server: Server, path: Path, *, task_status: trio.TaskStatus[Identity] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Serve on `sock` until cancelled; then close it and remove its file if still ours."""
+    """Serve at `path` (OSError as `bind` raises it) until cancelled; then close the socket and
+    remove its file if still ours. Hands back the identity of the file once listening."""
+    sock, own = bind(path)
     listener = Listener(sock, path, own)
     try:
         await server.serve(listener, task_status=task_status)

@@ -17,7 +17,6 @@ Imported only when `--metrics-bind-address` is set.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import h11
 import trio
@@ -37,12 +36,10 @@ _TEXT = "text/plain; charset=utf-8"
 _ENDED = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError)
 
 
-def answer(
-    path: str, daemon: DaemonState, render_metrics: Callable[[], bytes]
-) -> tuple[int, str, bytes]:
+def answer(path: str, daemon: DaemonState) -> tuple[int, str, bytes]:
     """Status, content type and body for GET `path`."""
     if path == "/metrics":
-        return 200, "text/plain; version=0.0.4; charset=utf-8", render_metrics()
+        return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.render(daemon)
     if path == "/livez":
         # Answering at all shows the event loop runs; restarting the plugin
         # cannot fix a slow kubelet, so nothing else belongs here.
@@ -69,9 +66,8 @@ class _Exchange:
 
 
 class HttpServer:
-    def __init__(self, daemon: DaemonState, render_metrics: Callable[[], bytes]) -> None:
+    def __init__(self, daemon: DaemonState) -> None:
         self._daemon = daemon
-        self._render_metrics = render_metrics
         self.cap: ConnectionCap[_Exchange] = ConnectionCap(MAX_CONNECTIONS, "HTTP connections", log)
         self.errors = 0
 
@@ -106,30 +102,24 @@ class HttpServer:
                     status = exc.error_status_hint
                     await self._send(stream, connection, status, _TEXT, f"{exc}\n".encode())
                 return
-            if event is h11.NEED_DATA:
-                if received > MAX_REQUEST_HEAD:
-                    body = f"request head over {MAX_REQUEST_HEAD} bytes\n".encode()
-                    await self._send(stream, connection, 431, _TEXT, body)
-                    return
-                data = await stream.receive_some(MAX_REQUEST_HEAD)
-                received += len(data)
-                connection.receive_data(data)
-                continue
-            if isinstance(event, h11.Request):
-                exchange.sent_request = True
-                if received > MAX_REQUEST_HEAD:
-                    body = f"request head over {MAX_REQUEST_HEAD} bytes\n".encode()
-                    await self._send(stream, connection, 431, _TEXT, body)
-                    return
-                break
             if isinstance(event, h11.ConnectionClosed):
                 return
+            exchange.sent_request |= isinstance(event, h11.Request)
+            if received > MAX_REQUEST_HEAD:
+                body = f"request head over {MAX_REQUEST_HEAD} bytes\n".encode()
+                await self._send(stream, connection, 431, _TEXT, body)
+                return
+            if isinstance(event, h11.Request):
+                break
+            data = await stream.receive_some(MAX_REQUEST_HEAD)
+            received += len(data)
+            connection.receive_data(data)
         method = event.method.decode("ascii", "replace")
         path = event.target.decode("ascii", "replace").split("?", 1)[0]
         if method not in ("GET", "HEAD"):
             await self._send(stream, connection, 405, _TEXT, b"only GET and HEAD\n")
             return
-        status, content_type, body = answer(path, self._daemon, self._render_metrics)
+        status, content_type, body = answer(path, self._daemon)
         await self._send(stream, connection, status, content_type, body, head_only=method == "HEAD")
 
     @staticmethod
@@ -180,7 +170,7 @@ async def serve_http(
             "one (no metrics or probes)"
         ) from None
     bound = [listener.socket.getsockname()[:2] for listener in listeners]
-    server = HttpServer(daemon, lambda: metrics.render(daemon))
+    server = HttpServer(daemon)
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, server.handle, listeners)
         task_status.started(bound)

@@ -71,13 +71,6 @@ def _taken_by_a_file(path: Path) -> bool:
     return path.exists()
 
 
-def _announce_wait(path: Path, is_file: bool) -> None:
-    if is_file:
-        log.warning("Waiting for %s to be a directory: it is a file now", path)
-    else:
-        log.info("Waiting for %s to be created (kubelet creates it at start)", path)
-
-
 async def wait_for_directory(path: Path) -> None:
     """Return once `path` is a directory, watching its nearest existing ancestor meanwhile.
 
@@ -88,7 +81,10 @@ async def wait_for_directory(path: Path) -> None:
     while (ancestor := nearest_existing_dir(path)) != path:
         is_file = _taken_by_a_file(path)
         if is_file != announced_file:
-            _announce_wait(path, is_file)
+            if is_file:
+                log.warning("Waiting for %s to be a directory: it is a file now", path)
+            else:
+                log.info("Waiting for %s to be created (kubelet creates it at start)", path)
             announced_file = is_file
         with open_inotify() as inotify:
             try:

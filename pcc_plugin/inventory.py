@@ -18,7 +18,7 @@ from asyncinotify import Mask
 
 from pcc_plugin.fs import nearest_existing_dir
 from pcc_plugin.inotify import next_events, open_inotify
-from pcc_plugin.resource import Device, DeviceNode, ResourceSpec, take_inventory, watched_paths
+from pcc_plugin.resource import Device, DeviceNode, ResourceSpec, seen_from_here, take_inventory
 from pcc_plugin.sensitive import OPT_IN, opted_in
 from pcc_plugin.state import ResourceState
 
@@ -121,7 +121,9 @@ async def watch_health(
     Started after the first look. Each round watches first and looks second,
     so a change between two rounds is never missed.
     """
-    paths = [Path(path) for path in watched_paths(inventory.spec, inventory.host_root)]
+    paths = [
+        Path(seen_from_here(inventory.host_root, path)) for path in inventory.spec.host_paths()
+    ]
     started = False
     while True:
         with open_inotify() as inotify:

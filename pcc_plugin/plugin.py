@@ -53,9 +53,7 @@ class DevicePluginMode:
         remove_stale_sockets(
             own_sockets(plugin_dir, spec.socket_prefix, endpoint), self._names.stem
         )
-        listener, own = grpc_server.bind(plugin_dir / endpoint)
-        # grpc_server.serve owns the listener from here, and closes it however it ends.
-        await nursery.start(grpc_server.serve, server, listener, plugin_dir / endpoint, own)
+        own = await nursery.start(grpc_server.serve, server, plugin_dir / endpoint)
         followers = Followers(
             nursery, plugin_dir, spec.socket_prefix, self._names.stem, link, generation.restart
         )

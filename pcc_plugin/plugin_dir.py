@@ -166,7 +166,7 @@ async def watch_plugin_dir(
     """Call `restart(reason)` when kubelet restarts, our socket goes, or the directory goes;
     tell `appeared` the names of the files that appear meanwhile.
 
-    `inotify` outlives the generation (see `serve_kubelet`): events of the
+    `inotify` outlives the generation (see `generations.serve_generations`): events of the
     directory that came between generations are read here too. Started once
     the watch is in place and our socket was seen still ours, so whatever happens
     after that is seen. Events are hints: the state is looked up again before

@@ -88,12 +88,17 @@ def _absolute_path(where: str, value: Any) -> str:
     return normalised(value)
 
 
+def _boolean(where: str, entry: dict[str, Any], key: str) -> bool:
+    value = entry.get(key, False)
+    if not isinstance(value, bool):
+        raise KeyProblem(f"{where}.{key}", f"must be true or false, got {shown_value(value)}")
+    return value
+
+
 def _sensitive_allowed(where: str, entry: dict[str, Any], hazard: str | None) -> bool:
     """Whether the entry opts in to its sensitive host path; refuses it without the opt-in,
     and an opt-in that is not needed (it would let a later edit of the path pass unseen)."""
-    allowed = entry.get(OPT_IN, False)
-    if not isinstance(allowed, bool):
-        raise KeyProblem(f"{where}.{OPT_IN}", f"must be true or false, got {shown_value(allowed)}")
+    allowed = _boolean(where, entry, OPT_IN)
     if hazard and not allowed:
         raise KeyProblem(
             f"{where}.hostPath",
@@ -134,11 +139,7 @@ def _mount(where: str, value: Any) -> HostMount:
     entry = _mapping(where, value, _MOUNT_KEYS, {"hostPath"})
     host_path = _absolute_path(f"{where}.hostPath", entry["hostPath"])
     container_path = _absolute_path(f"{where}.containerPath", entry.get("containerPath", host_path))
-    read_only = entry.get("readOnly", False)
-    if not isinstance(read_only, bool):
-        raise KeyProblem(
-            f"{where}.readOnly", f"must be true or false, got {shown_value(read_only)}"
-        )
+    read_only = _boolean(where, entry, "readOnly")
     allowed = _sensitive_allowed(where, entry, mount_hazard(host_path))
     return HostMount(host_path, container_path, read_only, allow_sensitive=allowed)
 
@@ -174,11 +175,7 @@ def _resource(where: str, value: Any) -> ResourceSpec:
             f"{where}.name", f"{shown_value(name)} would be rejected by kubelet: {problem}"
         )
     count = entry.get("count", 1)
-    if (
-        not isinstance(count, int)
-        or isinstance(count, bool)
-        or not 1 <= count <= MAX_RESOURCE_COUNT
-    ):
+    if type(count) is not int or not 1 <= count <= MAX_RESOURCE_COUNT:
         raise KeyProblem(f"{where}.count", f"must be a whole number from 1 to {MAX_RESOURCE_COUNT}")
     prefix = entry.get("socketPrefix", _default_prefix(name))
     if not isinstance(prefix, str) or not _SOCKET_PREFIX.fullmatch(prefix):

@@ -149,10 +149,6 @@ def seen_from_here(host_root: str, host_path: str) -> str:
     return host_root + host_path
 
 
-def watched_paths(spec: ResourceSpec, host_root: str) -> list[str]:
-    return [seen_from_here(host_root, path) for path in spec.host_paths()]
-
-
 @attrs.frozen
 class Problem:
     """Why a device cannot be used: in the words operators search for (`text`), and as a
@@ -173,49 +169,34 @@ def _cause(host_path: str, condition: str) -> str:
     return f"{what}-{condition}" if what else condition
 
 
-def _stat_condition(error: OSError) -> str:
-    if error.errno in (errno.ENOENT, errno.ENOTDIR):
-        return "missing"
-    if error.errno in (errno.EACCES, errno.EPERM):
-        return "not-permitted"
-    return "unreadable"
-
-
-def _device_problem(path: str, device_type: DeviceType, host_path: str) -> Problem | None:
+def _problem(host_root: str, host_path: str, what: str, kind: DeviceType | None) -> Problem | None:
+    """Why `host_path` is not a device of `kind` (None: a directory) now, or None."""
+    path = seen_from_here(host_root, host_path)
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
-        return Problem(
-            f"detect device {path} failed: {exc.strerror}", _cause(host_path, _stat_condition(exc))
-        )
-    if not _DEVICE_TEST[device_type](mode):
-        return Problem(
-            f"detect device {path} failed: not {DEVICE_WORDS[device_type]}",
-            _cause(host_path, f"not-a-{device_type}-device"),
-        )
-    return None
-
-
-def _mount_problem(mount: HostMount, host_root: str) -> Problem | None:
-    path = seen_from_here(host_root, mount.host_path)
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        return Problem(
-            f"detect {mount.label} {path} failed: {exc.strerror}",
-            _cause(mount.host_path, _stat_condition(exc)),
-        )
-    if not stat.S_ISDIR(mode):
-        return Problem(
-            f"detect {mount.label} {path} failed: not a directory",
-            _cause(mount.host_path, "not-a-directory"),
-        )
-    return None
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            condition = "missing"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            condition = "not-permitted"
+        else:
+            condition = "unreadable"
+        return Problem(f"detect {what} {path} failed: {exc.strerror}", _cause(host_path, condition))
+    if kind is None:
+        right, wrong, condition = stat.S_ISDIR, "a directory", "not-a-directory"
+    else:
+        right, wrong, condition = _DEVICE_TEST[kind], DEVICE_WORDS[kind], f"not-a-{kind}-device"
+    if right(mode):
+        return None
+    return Problem(f"detect {what} {path} failed: not {wrong}", _cause(host_path, condition))
 
 
 def _node_problem(node: DeviceNode, host_root: str) -> Problem | None:
-    return _device_problem(seen_from_here(host_root, node.host_path), node.device_type,
-                           node.host_path)  # fmt: skip
+    return _problem(host_root, node.host_path, "device", node.device_type)
+
+
+def _mount_problem(mount: HostMount, host_root: str) -> Problem | None:
+    return _problem(host_root, mount.host_path, mount.label, None)
 
 
 def shared_problem(spec: ResourceSpec, host_root: str) -> Problem | None:
@@ -233,12 +214,6 @@ def shared_problem(spec: ResourceSpec, host_root: str) -> Problem | None:
         if problem:
             return problem
     return None
-
-
-def health_problem(spec: ResourceSpec, host_root: str) -> str | None:
-    """Why the node cannot serve any of `spec` now, in the words operators search for."""
-    problem = shared_problem(spec, host_root)
-    return problem.text if problem else None
 
 
 def pcc_start_problem(spec: ResourceSpec, host_root: str) -> str | None:
@@ -301,7 +276,7 @@ def take_inventory(
     for pattern in spec.glob_nodes:
         for match in sorted(glob.glob(seen_from_here(host_root, pattern.host_path))):
             host_path = match.removeprefix(host_root) if host_root else match
-            if _device_problem(match, pattern.device_type, host_path) is None:
+            if _problem(host_root, host_path, "device", pattern.device_type) is None:
                 seen.setdefault(
                     host_path, attrs.evolve(pattern, host_path=host_path, container_path=host_path)
                 )

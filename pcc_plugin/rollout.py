@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import trio
 
 from pcc_plugin import grpc_clients
@@ -34,27 +35,19 @@ REFOLLOW_CAP = 1.0
 SUPERSEDER_GONE = "the instance that registered after this one is gone"
 
 
+@attrs.define(eq=False)
 class Followers:
     """Follows each socket of this resource that another instance creates once our Register
     was sent, in a task of the generation's nursery; when one's process is gone, `restart`
     (and so register again). Told of new files by the directory's watcher."""
 
-    def __init__(
-        self,
-        nursery: trio.Nursery,
-        plugin_dir: Path,
-        prefix: str,
-        own_stem: str,
-        link: KubeletLink,
-        restart: Callable[[str], None],
-    ) -> None:
-        self._nursery = nursery
-        self._plugin_dir = plugin_dir
-        self._prefix = prefix
-        self._own_stem = own_stem
-        self._link = link
-        self._restart = restart
-        self._followed: set[str] = set()
+    _nursery: trio.Nursery
+    _plugin_dir: Path
+    _prefix: str
+    _own_stem: str
+    _link: KubeletLink
+    _restart: Callable[[str], None]
+    _followed: set[str] = attrs.Factory(set)
 
     def appeared(self, names: list[str]) -> None:
         for name in names:

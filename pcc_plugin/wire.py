@@ -28,10 +28,6 @@ class WireError(ValueError):
 class TooMany(Exception):
     """More items than the caller allows; reading stopped there."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit)
-        self.limit = limit
-
 
 class TooLong(Exception):
     """A string longer than the caller allows; it was not decoded."""
@@ -58,9 +54,6 @@ class Kind(enum.Enum):
 Schema = Mapping[int, tuple[str, Union[Kind, "Schema"]]]
 
 EMPTY: Schema = {}
-# PreStartContainerRequest and ContainerAllocateRequest
-DEVICE_IDS: Schema = {1: ("devices_ids", Kind.STRING)}
-ALLOCATE_REQUEST: Schema = {1: ("container_requests", DEVICE_IDS)}
 CONTAINER_PREFERRED_ALLOCATION_REQUEST: Schema = {
     1: ("available_deviceIDs", Kind.STRING),
     2: ("must_include_deviceIDs", Kind.STRING),
@@ -127,9 +120,11 @@ def _field_key(data: bytes, pos: int, end: int) -> tuple[int, int, int]:
     return key >> 3, key & 7, pos
 
 
-def check(data: bytes, schema: Schema, start: int = 0, end: int | None = None) -> None:
-    """Raise WireError unless `data[start:end]` is a complete, well-typed message of `schema`."""
+def check(data: bytes, schema: Schema, start: int = 0, end: int | None = None) -> dict[str, str]:
+    """Raise WireError unless `data[start:end]` is a complete, well-typed message of `schema`;
+    its string fields, the last value of each as in proto3 ("" when absent)."""
     end = len(data) if end is None else end
+    found = {name: "" for name, kind in schema.values() if kind is Kind.STRING}
     pos = start
     while pos < end:
         number, wire_type, pos = _field_key(data, pos, end)
@@ -151,10 +146,11 @@ def check(data: bytes, schema: Schema, start: int = 0, end: int | None = None) -
         if pos + size > end:
             raise WireError(f"field {name} claims {size} bytes, {end - pos} follow")
         if kind is Kind.STRING:
-            _text(data, pos, pos + size, name)
+            found[name] = _text(data, pos, pos + size, name)
         else:
             check(data, kind, pos, pos + size)
         pos += size
+    return found
 
 
 def check_request(data: bytes, schema: Schema, name: str) -> None:
@@ -248,22 +244,5 @@ def read_claims_request(data: bytes, limit: int, longest: int) -> list[dict[str,
             raise TooMany(limit)
         if stop - begin > longest:
             raise TooLong(stop - begin)
-        check(data, CLAIM, begin, stop)
-        claims.append(_strings(data, begin, stop, CLAIM))
+        claims.append(check(data, CLAIM, begin, stop))
     return claims
-
-
-def _strings(data: bytes, start: int, end: int, schema: Schema) -> dict[str, str]:
-    """The string fields of a message `check` passed: the last value of each, as proto3."""
-    found = {name: "" for name, kind in schema.values() if kind is Kind.STRING}
-    pos = start
-    while pos < end:
-        number, wire_type, pos = _field_key(data, pos, end)
-        known = schema.get(number)
-        if known is None or known[1] is not Kind.STRING:
-            pos = _skip(data, pos, end, wire_type, number)
-            continue
-        size, pos = _varint(data, pos, end)
-        found[known[0]] = _text(data, pos, pos + size, known[0])
-        pos += size
-    return found

@@ -107,18 +107,16 @@ def _read(path: str) -> bytes:
     try:
         # Non-blocking: a FIFO named by mistake must not hang the start.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InputError(f"--config {path}: not a regular file")
+            # Buffered: read() returns short only at the end of the file.
+            with open(fd, "rb", closefd=False) as file:
+                data = file.read(MAX_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise InputError(f"--config {path}: {exc.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InputError(f"--config {path}: not a regular file")
-        data = b""
-        while len(data) <= MAX_BYTES and (chunk := os.read(fd, MAX_BYTES + 1 - len(data))):
-            data += chunk
-    except OSError as exc:
-        raise InputError(f"--config {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
     if len(data) > MAX_BYTES:
         raise InputError(f"{path}: is larger than {MAX_BYTES // 1024} KiB, the most it may be")
     return data

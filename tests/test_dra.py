@@ -343,7 +343,7 @@ async def outage(dra: DraNode, start_daemon: StartDaemon, seconds: float) -> Non
         await trio.sleep(seconds)  # the outage itself, not a synchronisation
         dra.api.start()
         # The driver's next attempt may be a whole backoff away.
-        await published(dra, SHARES, generation=2, within=slices.API_RETRY_CAP + WAIT)
+        await published(dra, SHARES, generation=2, within=kube.API_RETRY_CAP + WAIT)
         await run_blocking(daemon.wait_for_log, "The API server answers again", WAIT)
         assert daemon.proc.poll() is None
         assert "Traceback" not in daemon.log_text()
@@ -595,13 +595,13 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
         await trio.sleep(600)
         assert "connection refused" in str(stats.not_ready_reason())
         # Doubling from RETRY_FIRST to RETRY_CAP: a few quick tries, then one per cap at most.
-        assert 600 / slices.API_RETRY_CAP <= api.attempts <= 600 / (slices.API_RETRY_CAP / 2) + 8
+        assert 600 / kube.API_RETRY_CAP <= api.attempts <= 600 / (kube.API_RETRY_CAP / 2) + 8
         # Once a minute: at the first retry a minute or more after the last report.
         errors = [r for r in caplog.records if r.levelname == "ERROR"]
-        every = slices.REPORT_EVERY
-        assert 600 / (every + slices.API_RETRY_CAP) <= len(errors) <= 600 / every + 1
+        every = kube.REPORT_EVERY
+        assert 600 / (every + kube.API_RETRY_CAP) <= len(errors) <= 600 / every + 1
         api.down = False
-        await trio.sleep(slices.API_RETRY_CAP)
+        await trio.sleep(kube.API_RETRY_CAP)
         assert stats.not_ready_reason() is None
         assert [obj["spec"]["pool"]["generation"] for obj in api.slices.values()] == [1]
         assert "The API server answers again after" in caplog.text

@@ -11,7 +11,7 @@ import pytest
 
 from pcc_plugin import main
 from pcc_plugin.flags import Flags, build_parser, go_style, parse
-from pcc_plugin.resource import MAX_RESOURCE_COUNT, health_problem, resource_name_problem
+from pcc_plugin.resource import MAX_RESOURCE_COUNT, resource_name_problem, shared_problem
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -191,7 +191,8 @@ def test_resource_names_as_kubelet_checks_them(name: str, problem: str | None) -
 
 
 def detect(host: Path) -> str | None:
-    return health_problem(Flags().pcc_resource(), str(host))
+    problem = shared_problem(Flags().pcc_resource(), str(host))
+    return problem.text if problem else None
 
 
 def test_detect_accepts_a_character_device_and_a_directory(host: Path) -> None:

@@ -61,8 +61,7 @@ async def serving(
     methods = plugin.methods(KubeletLink(plugin.state))
     server = grpc_server.Server(methods, plugin.state.handler_failed, idle_client=idle_client)
     async with trio.open_nursery() as nursery:
-        listener, own = grpc_server.bind(socket_path)
-        await nursery.start(grpc_server.serve, server, listener, socket_path, own)
+        await nursery.start(grpc_server.serve, server, socket_path)
         yield server
         nursery.cancel_scope.cancel()
 
@@ -136,7 +135,7 @@ async def test_a_silent_connection_is_closed_after_the_first_request_timeout(
             with connect(socket_path) as silent:
                 silent.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # a preface, then nothing
                 assert await run_blocking(closed_by_server, silent)
-            assert server.connections == []
+            assert server.cap.open == []
 
 
 async def test_a_connection_without_streams_is_closed_when_idle(
@@ -148,7 +147,7 @@ async def test_a_connection_without_streams_is_closed_when_idle(
             channel = grpc.insecure_channel(f"unix://{socket_path}")
             options = channel.unary_unary("/v1beta1.DevicePlugin/GetDevicePluginOptions")
             await run_blocking(options, b"", timeout=5)
-            assert len(server.connections) == 1
+            assert len(server.cap.open) == 1
             ended: queue.Queue[object] = queue.Queue()
             # The idle connection is closed; the channel reconnects for the next call.
             await trio.to_thread.run_sync(
@@ -181,11 +180,11 @@ async def test_an_idle_client_keeps_its_connection_from_the_preface_on(
             # Connected after kubelet: its deadline comes later, and it has no preface.
             with connect(socket_path) as silent:
                 assert await run_blocking(closed_by_server, silent)
-            (kept,) = server.connections
+            (kept,) = server.cap.open
             assert states.empty(), "kubelet's connection changed state"
             options = kubelet.unary_unary("/v1beta1.DevicePlugin/GetDevicePluginOptions")
             await run_blocking(options, b"", timeout=5)
-            assert server.connections == [kept]
+            assert server.cap.open == [kept]
             assert kept.requests == 1
             kubelet.close()
 

@@ -82,8 +82,7 @@ class Checkpoint:
     def read(self) -> Claims:
         path = self.directory / FILE
         try:
-            document = json.loads(path.read_bytes())
-            return _claims(document)
+            return _claims(json.loads(path.read_bytes()))
         except FileNotFoundError:
             return {}
         except (ValueError, TypeError, KeyError, AttributeError) as exc:

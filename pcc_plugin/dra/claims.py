@@ -55,28 +55,18 @@ class ClaimError(Exception):
     """This claim cannot be prepared now; kubelet gets the message and tries again later."""
 
 
+@attrs.define(eq=False)
 class Preparer:
     """Prepares and unprepares the claims of this driver's devices on this node."""
 
-    def __init__(
-        self,
-        driver: str,
-        node: str,
-        inventory: Inventory,
-        state: ResourceState,
-        checkpoint: Checkpoint,
-        cdi_dir: Path,
-        owner: str,
-        get_claim: GetClaim,
-    ) -> None:
-        self.driver = driver
-        self.node = node
-        self.inventory = inventory
-        self.state = state
-        self.checkpoint = checkpoint
-        self.cdi_dir = cdi_dir
-        self.owner = owner
-        self.get_claim = get_claim
+    driver: str
+    node: str
+    inventory: Inventory
+    state: ResourceState
+    checkpoint: Checkpoint
+    cdi_dir: Path
+    owner: str
+    get_claim: GetClaim
 
     async def prepare(self, claims: list[ClaimRef]) -> dict[str, PreparedClaim | str]:
         """Each claim as prepared, or why it cannot be now.
@@ -140,10 +130,7 @@ class Preparer:
             async with self.checkpoint.locked() as prepared:
                 written = 0
                 for uid, claim in prepared.items():
-                    if (
-                        claim.devices
-                        and not cdi.claim_spec_path(self.cdi_dir, self.driver, uid).exists()
-                    ):
+                    if self._spec_lost(uid, claim):
                         try:
                             self._write_spec(uid, claim)
                             written += 1
@@ -159,10 +146,7 @@ class Preparer:
     ) -> PreparedClaim:
         if claim.uid in prepared:
             again = prepared[claim.uid]
-            if (
-                again.devices
-                and not cdi.claim_spec_path(self.cdi_dir, self.driver, claim.uid).exists()
-            ):
+            if self._spec_lost(claim.uid, again):
                 log.info("CDI spec of prepared claim %s is missing: writing it again", claim)
                 self._write_spec(claim.uid, again)
             self.state.prepared("ok")
@@ -235,6 +219,12 @@ class Preparer:
             request = str(result.get("request", "")).partition("/")[0]
             devices.append(PreparedDevice((request,), self.node, name))
         return tuple(devices)
+
+    def _spec_lost(self, uid: str, claim: PreparedClaim) -> bool:
+        """Whether a prepared claim with devices has no CDI spec (/var/run/cdi is a tmpfs)."""
+        return (
+            bool(claim.devices) and not cdi.claim_spec_path(self.cdi_dir, self.driver, uid).exists()
+        )
 
     def _write_spec(self, uid: str, claim: PreparedClaim) -> None:
         """The spec of a claim this driver prepared: its own, whichever instance name wrote a

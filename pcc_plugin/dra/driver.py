@@ -127,16 +127,14 @@ class DraMode:
         registration = RegistrationService(
             config.driver_name, str(dra_path), self.state, generation.cause
         )
-        sockets: list[tuple[Path, Identity]] = []
         kubelets = {**DraService(self.preparer).methods(), **HealthService(self.health).methods()}
-        for server, path in (
-            (grpc_server.Server(kubelets, report, idle_client=True), dra_path),
-            (grpc_server.Server(registration.methods(), report), registration_path),
-        ):  # fmt: skip
-            listener, own = grpc_server.bind(path)
-            # grpc_server.serve owns the listener from here, and closes it however it ends.
-            await generation.nursery.start(grpc_server.serve, server, listener, path, own)
-            sockets.append((path, own))
+        sockets = [
+            (path, await generation.nursery.start(grpc_server.serve, server, path))
+            for server, path in (
+                (grpc_server.Server(kubelets, report, idle_client=True), dra_path),
+                (grpc_server.Server(registration.methods(), report), registration_path),
+            )
+        ]
         log.info("Serving DRA driver %s on %s, registration on %s",
                  config.driver_name, dra_path, registration_path)  # fmt: skip
         await generation.nursery.start(

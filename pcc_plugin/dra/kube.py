@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import AsyncGenerator, Awaitable, Callable
+import logging
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -28,8 +29,14 @@ from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
 from pcc_plugin.bridge import call_asyncio
 from pcc_plugin.errors import FatalError
+from pcc_plugin.generations import Backoff, Outage
 
 REQUEST_TIMEOUT = 10.0
+# After a failed request the next waits this long, doubling to the cap, jittered.
+API_RETRY_FIRST = 0.5
+API_RETRY_CAP = 15.0
+# An error line while the API server cannot be reached, at most this often.
+REPORT_EVERY = 60.0
 # A watch being closed: its connection's close is all that is left to do.
 CLOSE_TIMEOUT = 1.0
 
@@ -55,12 +62,12 @@ class Api:
         self._client = client
 
     async def node_uid(self, name: str) -> str:
-        node = await self._call(self._client.get, Node, name)
+        node = await call_asyncio(self._client.get, Node, name)
         return str(_as_dict(node)["metadata"]["uid"])
 
     async def get_claim(self, namespace: str, name: str) -> Obj:
         return _as_dict(
-            await self._call(self._client.get, ResourceClaim, name, namespace=namespace)
+            await call_asyncio(self._client.get, ResourceClaim, name, namespace=namespace)
         )
 
     async def list_slices(self, fields: dict[str, Any]) -> tuple[list[Obj], str]:
@@ -94,20 +101,16 @@ class Api:
                 await call_asyncio(events.aclose)
 
     async def create_slice(self, obj: Obj, *, dry_run: bool = False) -> Obj:
-        return _as_dict(await self._call(self._client.create, _slice(obj), dry_run=dry_run))
+        return _as_dict(await call_asyncio(self._client.create, _slice(obj), dry_run=dry_run))
 
     async def replace_slice(self, obj: Obj) -> Obj:
-        return _as_dict(await self._call(self._client.replace, _slice(obj)))
+        return _as_dict(await call_asyncio(self._client.replace, _slice(obj)))
 
     async def delete_slice(self, name: str) -> None:
-        await self._call(self._client.delete, ResourceSlice, name)
+        await call_asyncio(self._client.delete, ResourceSlice, name)
 
     async def close(self) -> None:
         await call_asyncio(self._client.close)
-
-    @staticmethod
-    async def _call(request: Callable[..., Awaitable[_T]], *args: Any, **kwargs: Any) -> _T:
-        return await call_asyncio(request, *args, **kwargs)
 
 
 async def _next(events: AsyncGenerator[_T, None]) -> _T:
@@ -116,8 +119,7 @@ async def _next(events: AsyncGenerator[_T, None]) -> _T:
 
 
 def _as_dict(model: Any) -> Obj:
-    found: Obj = model.to_dict()
-    return found
+    return cast(Obj, model.to_dict())
 
 
 def _slice(obj: Obj) -> Any:
@@ -224,6 +226,24 @@ def status_code(error: BaseException) -> int | None:
     if isinstance(error, httpx.HTTPStatusError):
         return error.response.status_code
     return None
+
+
+def retrying(log: logging.Logger) -> tuple[Backoff, Outage]:
+    """The waits of a loop that asks the API server until it answers, and its error lines."""
+    outage = Outage(
+        log,
+        quiet="{problem}; retrying",
+        loud="{problem}; retrying",
+        back="The API server answers again after {seconds:.0f} s",
+        repeat=REPORT_EVERY,
+    )
+    return Backoff(first=API_RETRY_FIRST, cap=API_RETRY_CAP), outage
+
+
+def why_failed(error: RequestFailed) -> str:
+    """`describe_error`, saying so when the API server did not answer at all."""
+    why = describe_error(error)
+    return why if status_code(error) is not None else f"the API server cannot be reached: {why}"
 
 
 def describe_error(error: BaseException) -> str:

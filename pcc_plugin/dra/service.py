@@ -12,6 +12,8 @@ import functools
 import logging
 from typing import Any
 
+import attrs
+
 from pcc_plugin import cdi, wire
 from pcc_plugin._proto import pluginregistration as registration
 from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1, v1beta1
@@ -79,22 +81,19 @@ class RegistrationService:
         return b""
 
 
+@attrs.define
 class DraService:
     """NodePrepareResources and NodeUnprepareResources, in both versions kubelet may pick."""
 
-    def __init__(self, preparer: Preparer) -> None:
-        self._preparer = preparer
+    _preparer: Preparer
 
     def methods(self) -> dict[str, MethodSpec]:
-        methods = {}
-        for service, api in ((DRA_V1, v1), (DRA_V1BETA1, v1beta1)):
-            methods[service + "NodePrepareResources"] = MethodSpec(
-                functools.partial(self.prepare, api)
-            )
-            methods[service + "NodeUnprepareResources"] = MethodSpec(
-                functools.partial(self.unprepare, api)
-            )
-        return methods
+        calls = {"NodePrepareResources": self.prepare, "NodeUnprepareResources": self.unprepare}
+        return {
+            service + name: MethodSpec(functools.partial(call, api))
+            for service, api in ((DRA_V1, v1), (DRA_V1BETA1, v1beta1))
+            for name, call in calls.items()
+        }
 
     async def prepare(self, api: Any, data: bytes, call: Call) -> bytes:
         claims = read_claims(data, "NodePrepareResourcesRequest")
@@ -139,24 +138,19 @@ def read_claims(data: bytes, name: str) -> list[ClaimRef]:
     past one costs what its bytes up to there cost (INVALID_ARGUMENT), not all of it."""
     try:
         read = wire.read_claims_request(data, MAX_CLAIMS, MAX_CLAIM_BYTES)
+        claims = [ClaimRef(claim["namespace"], claim["name"], claim["uid"]) for claim in read]
+        if all(claim.uid and claim.namespace and claim.name for claim in claims):
+            return claims
+        why = f"{name} names a claim without namespace, name or UID"
     except wire.TooManyOthers:
         why = f"{name} has more than {MAX_CLAIMS} fields besides its claims"
-        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
     except wire.TooMany:
         why = f"{name} has more than {MAX_CLAIMS} claims"
-        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
     except wire.TooLong as exc:
         why = (
             f"{name} names a claim of {exc.size} bytes, more than the {MAX_CLAIM_BYTES} of any "
             "claim kubelet names"
         )
-        raise GRPCError(Status.INVALID_ARGUMENT, why) from None
     except wire.WireError as exc:
-        raise GRPCError(Status.INVALID_ARGUMENT, f"cannot decode {name}: {exc}") from None
-    claims = [ClaimRef(claim["namespace"], claim["name"], claim["uid"]) for claim in read]
-    for claim in claims:
-        if not claim.uid or not claim.namespace or not claim.name:
-            raise GRPCError(
-                Status.INVALID_ARGUMENT, f"{name} names a claim without namespace, name or UID"
-            )
-    return claims
+        why = f"cannot decode {name}: {exc}"
+    raise GRPCError(Status.INVALID_ARGUMENT, why)

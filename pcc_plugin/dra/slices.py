@@ -34,10 +34,16 @@ from typing import Any
 import attrs
 import trio
 
-from pcc_plugin.dra.kube import Api, RequestFailed, describe_error, status_code
+from pcc_plugin.dra.kube import (
+    Api,
+    RequestFailed,
+    describe_error,
+    retrying,
+    status_code,
+    why_failed,
+)
 from pcc_plugin.dra.node_facts import NodeFacts
-from pcc_plugin.dra.taints import MAX_TAINTED_DEVICES_PER_SLICE, Unhealthy
-from pcc_plugin.generations import Backoff, Outage
+from pcc_plugin.dra.taints import MAX_TAINTED_DEVICES_PER_SLICE, RESOURCE_API, Unhealthy
 from pcc_plugin.klog import V1
 from pcc_plugin.resource import Device, ResourceSpec
 from pcc_plugin.state import ResourceState
@@ -45,11 +51,6 @@ from pcc_plugin.state import ResourceState
 log = logging.getLogger(__name__)
 
 MAX_DEVICES_PER_SLICE = 128
-# After a failed request the next waits this long, doubling to the cap, jittered.
-API_RETRY_FIRST = 0.5
-API_RETRY_CAP = 15.0
-# An error line while the API server cannot be reached, at most this often.
-REPORT_EVERY = 60.0
 # A watch is renewed (listed again) this often: a connection that died without a word would
 # otherwise hold it forever. client-go's reflectors renew every 5 to 10 minutes.
 WATCH_RENEW = 300.0
@@ -63,7 +64,6 @@ WRITE_EVERY = 30.0
 # Answers of the API server that are how it works, not an outage: 409 Conflict (someone else
 # wrote first) and 410 Gone (a watch's resource version is too old).
 ROUTINE = (409, 410)
-RESOURCE_API = "resource.k8s.io/v1"
 _MAX_NAME = 253
 
 
@@ -336,14 +336,7 @@ async def publish(
 ) -> None:
     """Keep the node's slices as `wanted` says, again whenever `changed()` fires; forever.
     `pool.node_uid` is read from the Node each time."""
-    backoff = Backoff(first=API_RETRY_FIRST, cap=API_RETRY_CAP)
-    outage = Outage(
-        log,
-        quiet="{problem}; retrying",
-        loud="{problem}; retrying",
-        back="The API server answers again after {seconds:.0f} s",
-        repeat=REPORT_EVERY,
-    )
+    backoff, outage = retrying(log)
     publisher = Publisher(api, pool, wanted, me, alive)
     state.slices_not_published("ResourceSlices not published yet")
     # Whether the last round ended in a routine answer too: then the next waits.
@@ -380,11 +373,9 @@ async def publish(
                 routine_again = True
                 continue
             routine_again = False
-            why = describe_error(error)
+            why = why_failed(error)
             if code == 404 and what.startswith("reading Node"):
                 why = f"Node {pool.node} does not exist: check --node-name"
-            elif code is None:
-                why = f"the API server cannot be reached: {why}"
             problem = f"ResourceSlices not published: {what} failed: {why}"
             state.slices_not_published(problem)
             outage.failed(problem)

@@ -25,9 +25,15 @@ from typing import Any
 import attrs
 import trio
 
-from pcc_plugin.dra.kube import Api, RequestFailed, describe_error, status_code
+from pcc_plugin.dra.kube import (
+    Api,
+    RequestFailed,
+    describe_error,
+    retrying,
+    status_code,
+    why_failed,
+)
 from pcc_plugin.flags import TAINT_EFFECTS
-from pcc_plugin.generations import Backoff, Outage
 from pcc_plugin.resource import Device
 from pcc_plugin.state import ResourceState
 
@@ -37,10 +43,6 @@ KEY_NAME = "unhealthy"
 # Devices in a slice where any has a taint (resource.k8s.io/v1's limit); without, 128.
 MAX_TAINTED_DEVICES_PER_SLICE = 64
 RESOURCE_API = "resource.k8s.io/v1"
-# Asking again after a failure, and saying so, as the slices' publisher does (slices.py).
-RETRY_FIRST = 0.5
-RETRY_CAP = 15.0
-REPORT_EVERY = 60.0
 
 
 def _now() -> str:
@@ -121,14 +123,7 @@ def _retried(error: RequestFailed) -> bool:
 async def choose(api: Api, unhealthy: Unhealthy, node: str, state: ResourceState) -> None:
     """Ask the API server whether it serves device taints (until it answers), set
     `unhealthy.tainting` and say which was chosen."""
-    backoff = Backoff(first=RETRY_FIRST, cap=RETRY_CAP)
-    outage = Outage(
-        log,
-        quiet="{problem}; retrying",
-        loud="{problem}; retrying",
-        back="The API server answers again after {seconds:.0f} s",
-        repeat=REPORT_EVERY,
-    )
+    backoff, outage = retrying(log)
     state.slices_not_published("ResourceSlices not published yet")
     while True:
         try:
@@ -142,12 +137,9 @@ async def choose(api: Api, unhealthy: Unhealthy, node: str, state: ResourceState
                 served = False
                 why = f"a dry-run ResourceSlice with a taint was refused: {describe_error(error)}"
                 break
-            why = describe_error(error)
-            if status_code(error) is None:
-                why = f"the API server cannot be reached: {why}"
             problem = (
                 "ResourceSlices not published: asking whether the API server serves device "
-                f"taints failed: {why}"
+                f"taints failed: {why_failed(error)}"
             )
             state.slices_not_published(problem)
             outage.failed(problem)
