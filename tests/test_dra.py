@@ -763,6 +763,13 @@ def test_docs_quote_the_drivers_own_words() -> None:
         "Kubelet refused the registration of DRA driver ",
         "the ResourceClaim is not allocated",
         "cannot record prepared claims in ",
+        "Kubelet watches the devices' health (",
+        "Unhealthy devices will be ",
+        "the API server serves device taints",
+        "the API server dropped a device taint it was sent (DRADeviceTaints is off)",
+        "Node attributes: ",
+        " does not exist: the devices get no attributes teeType and tsmReport; ",
+        "--unhealthy-taint-effect",
     ):
         assert words in source, f"the driver no longer says {words!r}"
         assert words in text, f"docs/dra.md does not quote {words!r}"

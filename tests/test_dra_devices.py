@@ -469,19 +469,3 @@ def test_the_docs_device_class_selects_on_what_the_driver_publishes() -> None:
     assert named <= published_names
     assert f'device.driver == "{DRIVER}"' in expression
     assert json.dumps(device_class)  # plain data, as kubectl takes it
-
-
-def test_docs_quote_what_the_driver_says_of_its_devices() -> None:
-    source = "\n".join(path.read_text() for path in sorted((ROOT / "pcc_plugin").glob("**/*.py")))
-    text = (ROOT / "docs" / "dra.md").read_text()
-    for words in (
-        "Kubelet watches the devices' health (",
-        "Unhealthy devices will be ",
-        "the API server serves device taints",
-        "the API server dropped a device taint it was sent (DRADeviceTaints is off)",
-        "Node attributes: ",
-        " does not exist: the devices get no attributes teeType and tsmReport; ",
-        "--unhealthy-taint-effect",
-    ):
-        assert words in source, f"the driver no longer says {words!r}"
-        assert words in text, f"docs/dra.md does not quote {words!r}"
