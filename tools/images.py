@@ -5,6 +5,8 @@ architecture a qemu-user binfmt_misc handler with the F flag (``.ci/run`` regist
 architecture is built from the one Containerfile on a debootstrapped Debian base of its own
 architecture. The build stage runs on this machine's base and installs wheels for the target
 (uv's ``--python-platform``), so under emulation only the image's last check runs at build time.
+A foreign base is debootstrap's first stage, its packages then unpacked and recorded natively
+(``unpack_and_record``): no program of the base runs under emulation while it is made.
 
 What a build leaves behind (``nox -s e2e`` reads the native one):
 
@@ -25,10 +27,12 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import os
 import re
 import shutil
 import subprocess
+import tarfile
 import tempfile
 import time
 import tomllib
@@ -53,6 +57,8 @@ SUITES = {"amd64": "trixie", "arm64": "trixie", "ppc64le": "bookworm", "s390x": 
 # The Debian release (/etc/os-release's VERSION_ID) and Python of each suite.
 RELEASES = {"bookworm": ("12", "3.11"), "trixie": ("13", "3.13")}
 PACKAGES = "python3,python3-venv"
+# A foreign base is only read for the image's runtime root.
+FOREIGN_PACKAGES = "python3"
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What this machine trusts and how it reaches the package index: only for the base of this
 # machine's architecture, the build stage's, the one base whose Python downloads anything. The
@@ -61,7 +67,7 @@ EXTRA_CAS = Path("/usr/local/share/ca-certificates")
 PIP_CONF = Path("/etc/pip.conf")
 # uv (in the Containerfile's build stage) trusts the base's CA store, as Debian's pip does.
 UV_TOML = "system-certs = true\n"
-RECIPE = 3  # bump when the recipe below changes in a way the key cannot see
+RECIPE = 4  # bump when the recipe below changes in a way the key cannot see
 
 Log = Callable[[str], None]
 
@@ -219,8 +225,11 @@ Base = tuple[str, Arch]
 
 def _base_key(base: Base) -> str:
     suite_name, arch = base
-    digest = hashlib.sha256(f"v{RECIPE} {suite_name} {arch.debian} minbase {PACKAGES}".encode())
-    if arch == NATIVE:
+    digest = hashlib.sha256(f"v{RECIPE} {suite_name} {arch.debian} minbase".encode())
+    if arch != NATIVE:
+        digest.update(f"unpacked {FOREIGN_PACKAGES}".encode())
+    else:
+        digest.update(PACKAGES.encode())
         digest.update(f"build stage's base {UV_TOML!r}".encode())
         for ca in extra_cas():
             digest.update(ca.name.encode() + b"\0" + ca.read_bytes())
@@ -269,7 +278,8 @@ def run_logged(argv: Sequence[str], log_file: Path) -> None:
 
 
 def _debootstrap(base: Base, tarball: Path, log: Log) -> None:
-    """Debian minbase with python3 and venv for `arch`, this machine's CAs, as a tarball."""
+    """Debian minbase with python3 (and venv and this machine's CAs for the build stage's) for
+    `arch`, as a tarball."""
     suite_name, arch = base
     log_file = LOGS / f"debootstrap-{suite_name}-{arch.name}.log"
     log_file.unlink(missing_ok=True)
@@ -277,16 +287,25 @@ def _debootstrap(base: Base, tarball: Path, log: Log) -> None:
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         rootfs = Path(tmp) / "rootfs"
         try:
-            # A foreign architecture's second stage runs under qemu-user (binfmt_misc).
-            run_logged(
-                [
-                    "debootstrap", f"--arch={arch.debian}", "--variant=minbase",
-                    f"--include={PACKAGES}", suite_name, str(rootfs),
-                ],
-                log_file,
-            )  # fmt: skip
             if arch == NATIVE:
+                run_logged(
+                    [
+                        "debootstrap", "--variant=minbase", f"--include={PACKAGES}", suite_name,
+                        str(rootfs),
+                    ],
+                    log_file,
+                )  # fmt: skip
                 _reach_the_index_as_this_machine(rootfs, log_file)
+            else:
+                # The first stage only: it downloads and unpacks, natively.
+                run_logged(
+                    [
+                        "debootstrap", "--foreign", f"--arch={arch.debian}", "--variant=minbase",
+                        f"--include={FOREIGN_PACKAGES}", suite_name, str(rootfs),
+                    ],
+                    log_file,
+                )  # fmt: skip
+                unpack_and_record(rootfs)
             for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
                 for entry in (rootfs / cache).glob("*"):
                     if entry.is_file():
@@ -303,6 +322,103 @@ def _debootstrap(base: Base, tarball: Path, log: Log) -> None:
         finally:
             _unmount_below(rootfs)
     log(f"base {suite_name} {arch.name}: debootstrap took {time.monotonic() - started:.0f} s")
+
+
+def unpack_and_record(rootfs: Path) -> None:
+    """What debootstrap's second stage leaves that the image is made of, without running a
+    program of the root: the packages the first stage downloaded but did not unpack, unpacked,
+    and every package recorded in dpkg's database as installed, with its file list and
+    checksums.
+
+    The second stage runs each package's maintainer scripts, under emulation for a foreign
+    architecture: 2 to 3 minutes of CPU per base, most of a cold CI's critical path. What they
+    make (the standard library's bytecode, ld.so.cache, /etc/passwd, alternatives) is not
+    listed by any package, and the image takes only listed files (runtime_root.py) and compiles
+    its bytecode itself.
+    """
+    state = rootfs / "debootstrap"
+    required = set((state / "required").read_text().split())
+    info = rootfs / "var/lib/dpkg/info"
+    index = _priorities(rootfs)
+    status = []
+    for line in (state / "debpaths").read_text().splitlines():
+        name, deb = line.split()
+        deb_file = rootfs / deb.lstrip("/")
+        data = subprocess.run(
+            ["dpkg-deb", "--fsys-tarfile", str(deb_file)], capture_output=True, check=True
+        ).stdout
+        if name not in required:  # the first stage unpacked those
+            # As dpkg does, through the root's /bin -> usr/bin links (merged /usr).
+            subprocess.run(
+                ["tar", "--keep-directory-symlink", "-xf", "-", "-C", str(rootfs)],
+                input=data,
+                check=True,
+            )
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            paths = ["/" + member.name.removeprefix(".").strip("/") for member in tar]
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(["dpkg-deb", "--control", str(deb_file), tmp], check=True)
+            control = {f.name: f.read_bytes() for f in Path(tmp).iterdir()}
+        # Field -> what follows its colon, continuation lines included, in the package's order.
+        paragraph = control["control"].decode()
+        fields = dict(re.findall(r"^([\w-]+):(.*(?:\n[ \t].*)*)", paragraph, re.M))
+        # dpkg's name for the files of a package that can be installed for several architectures.
+        if fields.get("Multi-Arch", "").strip() == "same":
+            name = f"{name}:{fields['Architecture'].strip()}"
+        listed = "".join(f"{path.rstrip('/') or '/.'}\n" for path in paths)
+        (info / f"{name}.list").write_text(listed)
+        if "md5sums" in control:
+            (info / f"{name}.md5sums").write_bytes(control["md5sums"])
+        fields["Status"] = " install ok installed"
+        # The priority dpkg records after a second stage: the archive's for the required
+        # packages (their records come from its index), the package's own for the rest.
+        if fields["Package"].strip() in required:
+            fields.update(index.get(fields["Package"].strip(), {}))
+        # A line of conffiles is a path, after flags (remove-on-upgrade) if any.
+        conffiles = [
+            line.split()[-1]
+            for line in control.get("conffiles", b"").decode().splitlines()
+            if line.strip() and (rootfs / line.split()[-1].lstrip("/")).is_file()
+        ]
+        if conffiles:
+            fields["Conffiles"] = "".join(
+                f"\n {path} {hashlib.md5((rootfs / path.lstrip('/')).read_bytes()).hexdigest()}"
+                for path in conffiles
+            )
+        ordered = sorted(fields, key=lambda f: DPKG_FIELDS.index(f) if f in DPKG_FIELDS else 99)
+        status.append("".join(f"{f}:{fields[f]}\n" for f in ordered) + "\n")
+    (rootfs / "var/lib/dpkg/status").write_text("".join(status))
+    shutil.rmtree(state)
+    # The second stage's work that the image shows: debootstrap, in a container, made /proc a
+    # link to the host's for it, and base-files' maintainer script moves /var/run and /var/lock
+    # into /run.
+    if (rootfs / "proc").is_symlink():
+        (rootfs / "proc").unlink()
+        (rootfs / "proc").mkdir(mode=0o755)
+    for moved, target in (("var/run", "/run"), ("var/lock", "/run/lock")):
+        if not (rootfs / moved).is_symlink():
+            (rootfs / moved).rmdir()
+            (rootfs / moved).symlink_to(target)
+
+
+# The order of the fields of dpkg's status file; others follow in the package's order.
+DPKG_FIELDS = [
+    "Package", "Essential", "Protected", "Status", "Priority", "Section", "Installed-Size",
+    "Origin", "Maintainer", "Bugs", "Architecture", "Multi-Arch", "Source", "Version",
+    "Config-Version", "Replaces", "Provides", "Depends", "Pre-Depends", "Recommends", "Suggests",
+    "Breaks", "Conflicts", "Enhances", "Conffiles", "Description",
+]  # fmt: skip
+
+
+def _priorities(rootfs: Path) -> dict[str, dict[str, str]]:
+    """Package -> its Priority in the archive's index that debootstrap downloaded."""
+    found = {}
+    for index in (rootfs / "var/lib/apt/lists").glob("*_Packages"):
+        for package, priority in re.findall(
+            r"^Package: (\S+)\n(?:[^\n]+\n)*?Priority:( \S+)$", index.read_text(), re.M
+        ):
+            found[package] = {"Priority": priority}
+    return found
 
 
 def _reach_the_index_as_this_machine(rootfs: Path, log_file: Path) -> None:
