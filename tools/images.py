@@ -539,7 +539,7 @@ def sbom_tool(log: Log) -> Path:
     go_version = subprocess.run(
         [go, "env", "GOVERSION"], capture_output=True, text=True, check=True
     ).stdout.strip()
-    binary = TOOLS / f"syft-{SYFT_VERSION}-{go_version}" / "syft"
+    binary = TOOLS / f"syft-{SYFT_VERSION}-{go_version}-unoptimised" / "syft"
     if binary.exists():
         return binary
     TOOLS.mkdir(parents=True, exist_ok=True)
@@ -553,10 +553,18 @@ def sbom_tool(log: Log) -> Path:
         with tempfile.TemporaryDirectory(dir=TOOLS) as tmp:
             # A build cache of its own, deleted with the directory: 1.1 GB that nothing reuses
             # once the binary is cached. The modules (GOMODCACHE) stay where Go keeps them.
-            env = {**os.environ, "GOBIN": tmp, "GOCACHE": str(Path(tmp) / "go-build")}
+            env = {
+                **os.environ,
+                "GOBIN": tmp,
+                "GOCACHE": str(Path(tmp) / "go-build"),
+                "CGO_ENABLED": "0",
+            }
+            # Without optimisation, inlining, DWARF and symbol tables, as tools/e2e/builds.py
+            # builds kubelet: 189 s of CPU instead of 342, and it writes the same SBOMs.
             with log_file.open("ab") as out:
                 result = subprocess.run(
-                    [go, "install", f"{SYFT}@{SYFT_VERSION}"],
+                    [go, "install", "-trimpath", "-gcflags=all=-N -l -dwarf=false",
+                     "-ldflags=-s -w", f"{SYFT}@{SYFT_VERSION}"],
                     stdout=out, stderr=subprocess.STDOUT, env=env, check=False,
                 )  # fmt: skip
             if result.returncode != 0:
