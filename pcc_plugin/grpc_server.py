@@ -8,15 +8,10 @@ closes every connection, cancels every call and waits for them (`TEARDOWN_GRACE`
 so nothing of a generation outlives it. A call runs as an asyncio task that grpclib starts;
 `CONNECTION` tells it which connection it came on.
 
-The limits below are the README's ("Limits", which says what each guards against):
-`MAX_CONNECTIONS` (connection_cap.py says which makes room); the HTTP/2 preface and a first
-call within `FIRST_REQUEST_TIMEOUT`, then closed after `IDLE_TIMEOUT` without a call (a server
-for an `idle_client`, see Server, asks only for the preface); `MAX_STREAMS_PER_CONNECTION`;
-`MAX_MESSAGE_BYTES`, refused from the 5-byte prefix before any of the message is read;
-flow-control windows of `WINDOW` bytes, larger messages sharing `LARGE_MESSAGE_BUDGET`; a
-request whole within `RECEIVE_TIMEOUT`, a unary answer within `UNARY_TIMEOUT`. A client's
-mistake is answered with a status that names it; a method's unexpected error is logged with its
-traceback, counted, and answered INTERNAL.
+The limits below are the README's ("Limits" says what each is and guards against;
+connection_cap.py, which connection makes room). A client's mistake is answered with a status
+that names it; a method's unexpected error is logged with its traceback, counted, and answered
+INTERNAL.
 """
 
 from __future__ import annotations
