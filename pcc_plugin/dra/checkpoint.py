@@ -137,18 +137,15 @@ class Checkpoint:
                         fcntl.flock, descriptor, fcntl.LOCK_EX, abandon_on_cancel=True
                     )
             except trio.TooSlowError:
-                raise LockBusy(self._busy(within)) from None
+                raise LockBusy(
+                    f"another call held {self.directory / LOCK} for {within:.0f} s (another "
+                    "instance of the driver, or a slow disk); kubelet tries again"
+                ) from None
             claims = self.read()
             before = dict(claims)
             yield claims
             if claims != before:
                 self.write(claims)
-
-    def _busy(self, within: float) -> str:
-        return (
-            f"another call held {self.directory / LOCK} for {within:.0f} s (another instance "
-            "of the driver, or a slow disk); kubelet tries again"
-        )
 
 
 def _claims(document: Any) -> Claims:
