@@ -81,14 +81,6 @@ class _Methods(dict[str, grpclib.const.Handler]):
         return method
 
 
-class _Service:
-    def __init__(self, methods: Mapping[str, grpclib.const.Handler]) -> None:
-        self._methods = methods
-
-    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-        return dict(self._methods)
-
-
 def server(
     methods: Mapping[str, tuple[MethodFunc, bool]],
     unknown: Callable[[str, ServerStream], Any],
@@ -101,8 +93,8 @@ def server(
     config = grpclib.config.Configuration(
         http2_connection_window_size=window, http2_stream_window_size=window
     )
-    grpc = grpclib.server.Server([_Service(table)], codec=_PassThrough(), config=config)
-    grpc._mapping = _Methods(grpc._mapping, unknown)
+    grpc = grpclib.server.Server([], codec=_PassThrough(), config=config)
+    grpc._mapping = _Methods(table, unknown)
     return grpc
 
 

@@ -95,12 +95,6 @@ def _host_path(hazard: Callable[[str], str | None]) -> Check:
     return check
 
 
-def _count_range(low: int, high: int | None = None) -> Check:
-    if high is None:
-        return _unless(f"must be at least {low}, got {{value}}", lambda value: low <= value)
-    return _unless(f"must be from {low} to {high}, got {{value}}", lambda v: low <= v <= high)
-
-
 def _socket_dir(limit: int) -> Check:
     """An absolute directory short enough for the socket paths made in it."""
 
@@ -131,6 +125,9 @@ def _is_bind_address(value: str) -> bool:
     return not value or (bool(colon) and port.isdigit() and int(port) <= 65535)
 
 
+_resource_count = _unless(
+    f"must be from 1 to {MAX_RESOURCE_COUNT}, got {{value}}", lambda v: 1 <= v <= MAX_RESOURCE_COUNT
+)
 _host_root = _unless("must be empty or an absolute path, got {value!r}", lambda v: v[:1] in "/")
 _bind_address = _unless("must be host:port, :port or empty, got {value!r}", _is_bind_address)
 _mode = _unless(f"must be {' or '.join(MODES)}, got {{value!r}}", lambda v: v in ("", *MODES))
@@ -177,7 +174,7 @@ class Flags:
         "--resource-count", 16,
         "shares advertised, i.e. how many containers may use the device at once, "
         f"1 to {MAX_RESOURCE_COUNT}",
-        metavar="N", check=_count_range(1, MAX_RESOURCE_COUNT),
+        metavar="N", check=_resource_count,
     )  # fmt: skip
     device_plugin_path: str = _flag(
         "--device-plugin-path", "/var/lib/kubelet/device-plugins",
@@ -273,7 +270,7 @@ class Flags:
         "--v", 0,
         "log verbosity: 0 registrations and errors, 1 each Allocate and registration step, "
         "2 debug and gRPC internals",
-        metavar="LEVEL", check=_count_range(0),
+        metavar="LEVEL", check=_unless("must be at least 0, got {value}", lambda v: v >= 0),
     )  # fmt: skip
 
     def pcc_resource(self) -> ResourceSpec:
@@ -287,6 +284,7 @@ class Flags:
 
 
 FLAG_NAMES = tuple(field.metadata["flag"] for field in attrs.fields(Flags))
+_KNOWN = (*FLAG_NAMES, "--help", "--version")
 
 
 def usage_error(prog: str, message: str, see: str = "--help") -> NoReturn:
@@ -302,7 +300,7 @@ class _Parser(argparse.ArgumentParser):
 
 def go_style(argv: Sequence[str]) -> list[str]:
     """Accept Go's single-dash spelling of our flags (`-v=1`, `-resource-count 8`)."""
-    known = {name.removeprefix("--") for name in (*FLAG_NAMES, "--help", "--version")}
+    known = {name.removeprefix("--") for name in _KNOWN}
     normalised: list[str] = []
     for index, arg in enumerate(argv):
         if arg == "--":
@@ -343,13 +341,12 @@ def build_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentP
 def unexpected(arg: str) -> str:
     """The usage error for an argument that no flag takes, in the form every other one has."""
     name = arg.split("=", 1)[0]
-    known = [*FLAG_NAMES, "--help", "--version"]
     # A known flag is left over only when it came after "--", as an argument.
-    if not arg.startswith("-") or arg == "-" or name in known:
+    if not arg.startswith("-") or arg == "-" or name in _KNOWN:
         return f"{arg}: unexpected argument: everything is given by a flag"
     import difflib
 
-    close = difflib.get_close_matches("--" + name.lstrip("-"), known, n=1)
+    close = difflib.get_close_matches("--" + name.lstrip("-"), _KNOWN, n=1)
     return f"{name}: unknown flag" + (f"; did you mean {close[0]}?" if close else "")
 
 

@@ -8,15 +8,10 @@ closes every connection, cancels every call and waits for them (`TEARDOWN_GRACE`
 so nothing of a generation outlives it. A call runs as an asyncio task that grpclib starts;
 `CONNECTION` tells it which connection it came on.
 
-The limits below are the README's ("Limits", which says what each guards against):
-`MAX_CONNECTIONS` (connection_cap.py says which makes room); the HTTP/2 preface and a first
-call within `FIRST_REQUEST_TIMEOUT`, then closed after `IDLE_TIMEOUT` without a call (a server
-for an `idle_client`, see Server, asks only for the preface); `MAX_STREAMS_PER_CONNECTION`;
-`MAX_MESSAGE_BYTES`, refused from the 5-byte prefix before any of the message is read;
-flow-control windows of `WINDOW` bytes, larger messages sharing `LARGE_MESSAGE_BUDGET`; a
-request whole within `RECEIVE_TIMEOUT`, a unary answer within `UNARY_TIMEOUT`. A client's
-mistake is answered with a status that names it; a method's unexpected error is logged with its
-traceback, counted, and answered INTERNAL.
+The limits below are the README's ("Limits" says what each is and guards against;
+connection_cap.py, which connection makes room). A client's mistake is answered with a status
+that names it; a method's unexpected error is logged with its traceback, counted, and answered
+INTERNAL.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +83,7 @@ class Call:
             if not prefix:
                 return b""
             size = _message_size(prefix)
-            with self.server.budget.reserve(size):
+            with self.server.reserve(size):
                 return await _grpclib.receive_exactly(self._stream, size)
 
     async def send(self, payload: bytes) -> None:
@@ -126,27 +121,6 @@ class MethodSpec:
     stream: Stream | None = None
 
 
-@attrs.define
-class LargeMessageBudget:
-    """Bytes of large messages being read at once, across every connection."""
-
-    in_use: int = 0
-
-    @contextlib.contextmanager
-    def reserve(self, size: int) -> Any:
-        size = size if size > WINDOW else 0
-        if self.in_use + size > LARGE_MESSAGE_BUDGET:
-            raise GRPCError(
-                Status.RESOURCE_EXHAUSTED,
-                f"busy reading other large messages; retry, or send less than {WINDOW} bytes",
-            )
-        self.in_use += size
-        try:
-            yield
-        finally:
-            self.in_use -= size
-
-
 @contextlib.asynccontextmanager
 async def _deadline(seconds: float | None, what: str) -> AsyncIterator[None]:
     """asyncio.timeout, ending in DEADLINE_EXCEEDED that says what was late."""
@@ -182,11 +156,6 @@ class Connection:
     @property
     def sent_request(self) -> bool:
         return self.requests > 0
-
-    @property
-    def greeted(self) -> bool:
-        """Whether it sent the HTTP/2 preface (a wrong one, grpclib closes the connection on)."""
-        return self.received >= PREFACE_BYTES
 
     @property
     def open_calls(self) -> int:
@@ -298,7 +267,7 @@ class Listener(trio.abc.Listener[trio.SocketStream]):
     def __init__(self, sock: socket.socket, path: Path, own: Identity) -> None:
         self._listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
         self._path = path
-        self.own = own
+        self._own = own
         self._ready = trio.Event()
         self._ready.set()
 
@@ -314,7 +283,7 @@ class Listener(trio.abc.Listener[trio.SocketStream]):
 
     async def aclose(self) -> None:
         # The name first: whoever finds the file finds it listening.
-        if identity(self._path) == self.own:
+        if identity(self._path) == self._own:
             try:
                 os.unlink(self._path)
             except OSError as exc:
@@ -347,30 +316,25 @@ class Server:
         self.on_error = on_error
         self.on_close = on_close
         self.idle_client = idle_client
-        self.budget = LargeMessageBudget()
+        # Bytes of large messages being read at once, across every connection.
+        self.large_in_use = 0
         self.cap: ConnectionCap[Connection] = ConnectionCap(MAX_CONNECTIONS, "connections", log)
         self._grpc: grpclib.server.Server | None = None
 
-    async def serve(
-        self,
-        listener: Listener,
-        *,
-        task_status: trio.TaskStatus[Identity] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Accept and serve connections until cancelled, then close every one; hands back the
-        identity of the socket's file once listening."""
-        self._grpc = _grpclib.server(
-            {
-                path: (functools.partial(self._serve_call, path, spec), spec.stream is not None)
-                for path, spec in self.methods.items()
-            },
-            _unknown_method,
-            WINDOW,
-        )
-        handler = functools.partial(self.serve_connection, listener)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, handler, [listener])
-            task_status.started(listener.own)
+    @contextlib.contextmanager
+    def reserve(self, size: int) -> Iterator[None]:
+        """Room to read a message of `size` bytes, if a large one fits in the budget."""
+        size = size if size > WINDOW else 0
+        if self.large_in_use + size > LARGE_MESSAGE_BUDGET:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"busy reading other large messages; retry, or send less than {WINDOW} bytes",
+            )
+        self.large_in_use += size
+        try:
+            yield
+        finally:
+            self.large_in_use -= size
 
     async def serve_connection(self, listener: Listener, stream: trio.SocketStream) -> None:
         """Serve one connection until it ends or must be closed; never raises."""
@@ -415,7 +379,9 @@ class Server:
         """Until the connection closes, or must be closed for silence or idleness."""
 
         def started() -> bool:
-            return connection.greeted if self.idle_client else connection.sent_request
+            # A wrong preface, grpclib closes the connection on.
+            greeted = connection.received >= PREFACE_BYTES
+            return greeted if self.idle_client else connection.sent_request
 
         with trio.move_on_after(FIRST_REQUEST_TIMEOUT):
             while not started() and not connection.closed:
@@ -517,12 +483,24 @@ def bind(path: Path) -> tuple[socket.socket, Identity]:
 async def serve(
     server: Server, path: Path, *, task_status: trio.TaskStatus[Identity] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Serve at `path` (OSError as `bind` raises it) until cancelled; then close the socket and
-    remove its file if still ours. Hands back the identity of the file once listening."""
+    """Serve at `path` (OSError as `bind` raises it) until cancelled; then close every
+    connection and the socket, and remove its file if still ours. Hands back the identity of
+    the file once listening."""
     sock, own = bind(path)
     listener = Listener(sock, path, own)
     try:
-        await server.serve(listener, task_status=task_status)
+        server._grpc = _grpclib.server(
+            {
+                name: (functools.partial(server._serve_call, name, spec), spec.stream is not None)
+                for name, spec in server.methods.items()
+            },
+            _unknown_method,
+            WINDOW,
+        )
+        handler = functools.partial(server.serve_connection, listener)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, handler, [listener])
+            task_status.started(own)
     finally:
         with trio.CancelScope(shield=True):
             await listener.aclose()

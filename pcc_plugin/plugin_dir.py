@@ -43,16 +43,12 @@ def process_token() -> str:
     return f"{os.getpid()}-{_PROCESS_TOKEN}"
 
 
-def process_stem(prefix: str) -> str:
-    """What this process's sockets of `prefix` start with, whichever run of it serves them."""
-    return f"{prefix}-{process_token()}"
-
-
 class SocketNames:
     """Fresh socket names, `<prefix>-<pid>-<token>-<n>.sock`."""
 
     def __init__(self, prefix: str) -> None:
-        self.stem = process_stem(prefix)
+        # What this process's sockets of `prefix` start with, whichever run of it serves them.
+        self.stem = f"{prefix}-{process_token()}"
 
     def __next__(self) -> str:
         return f"{self.stem}-{next(_socket_numbers)}.sock"

@@ -96,17 +96,6 @@ class KubeletLink:
             self.ended.set()
 
 
-def kubelet_outage() -> Outage:
-    return Outage(
-        log,
-        quiet="Kubelet is not reachable yet, retrying: {problem}",
-        loud="Kubelet has been unreachable for {seconds:.0f} s, retrying: {problem}",
-        back="Kubelet is reachable again after {seconds:.0f} s",
-        grace=UNREACHABLE_GRACE,
-        repeat=UNREACHABLE_REPEAT,
-    )
-
-
 @attrs.define(eq=False)
 class Kubelet:
     """Kubelet's Registration service as one resource knows it across generations: the
@@ -116,7 +105,16 @@ class Kubelet:
     state: ResourceState
     call: Register = grpc_clients.register
     registered_with: Identity | None = None
-    outage: Outage = attrs.Factory(kubelet_outage)
+    outage: Outage = attrs.Factory(
+        lambda: Outage(
+            log,
+            quiet="Kubelet is not reachable yet, retrying: {problem}",
+            loud="Kubelet has been unreachable for {seconds:.0f} s, retrying: {problem}",
+            back="Kubelet is reachable again after {seconds:.0f} s",
+            grace=UNREACHABLE_GRACE,
+            repeat=UNREACHABLE_REPEAT,
+        )
+    )
 
     async def register(
         self, plugin_dir: Path, request: api.RegisterRequest, link: KubeletLink, cause: str

@@ -71,7 +71,21 @@ async def run_daemon(config: Flags, served: Served) -> None:
         stop = trio.CancelScope()
         await root.start(handle_signals, stop, reloads, resources)
         with stop:
-            await serve_all(config, resources, reloads, reload_requests)
+            async with trio.open_nursery() as nursery:
+                if config.metrics_bind_address:
+                    # Imported only when wanted: it costs memory at every start.
+                    from pcc_plugin import http_server
+
+                    bound = await nursery.start(
+                        http_server.serve_http, config.metrics_bind_address, daemon
+                    )
+                    for address, port in bound:
+                        log.info(
+                            "Serving /metrics, /livez and /readyz on %s port %d", address, port
+                        )
+                await nursery.start(resources.serve, reload_requests)
+                if path is not None and served.mode != "dra":
+                    await nursery.start(watch_config_file, path, reloads)
         # Stopped: the signal handler has nothing left to guard.
         root.cancel_scope.cancel()
     log.info("Stopped")
@@ -104,27 +118,6 @@ async def handle_signals(
             else:
                 log.info("Received %s, shutting down", name)
                 stop.cancel()
-
-
-async def serve_all(
-    config: Flags,
-    resources: Resources,
-    reloads: trio.MemorySendChannel[str],
-    reload_requests: trio.MemoryReceiveChannel[str],
-) -> None:
-    async with trio.open_nursery() as nursery:
-        if config.metrics_bind_address:
-            # Imported only when wanted: it costs memory at every start.
-            from pcc_plugin import http_server
-
-            bound = await nursery.start(
-                http_server.serve_http, config.metrics_bind_address, resources.daemon
-            )
-            for address, port in bound:
-                log.info("Serving /metrics, /livez and /readyz on %s port %d", address, port)
-        await nursery.start(resources.serve, reload_requests)
-        if config.config and resources.mode != "dra":
-            await nursery.start(watch_config_file, Path(config.config), reloads)
 
 
 class Resources:

@@ -16,7 +16,6 @@ from pcc_plugin.plugin_dir import (
     SocketNames,
     is_own_socket,
     own_sockets,
-    process_stem,
     remove_stale_sockets,
     restart_reason,
 )
@@ -66,7 +65,7 @@ def test_a_live_socket_of_this_process_is_not_called_another_instances(
     with bind_socket(tmp_path / previous) as mine, bind_socket(tmp_path / others) as theirs:
         mine.listen()
         theirs.listen()
-        remove_stale_sockets(own_sockets(tmp_path, "pcc", keep=current), process_stem("pcc"))
+        remove_stale_sockets(own_sockets(tmp_path, "pcc", keep=current), SocketNames("pcc").stem)
     assert len(caplog.records) == 2
     assert {record.getMessage() for record in caplog.records} == {
         f"Leaving {tmp_path / others}: another instance serves it",

@@ -121,44 +121,31 @@ class Checkpoint:
         """The claims, read under the lock and written back as the block leaves them, if it
         changed them (and did not raise); LockBusy if the lock is not free within `within`
         seconds, OSError if they cannot be read or written."""
-        deadline = trio.current_time() + within
-        acquired = False
-        with trio.move_on_at(deadline):
-            await self._lock.acquire()
-            acquired = True
-        if not acquired:
-            raise LockBusy(self._busy(within))
-        try:
-            descriptor = os.open(
-                self.directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-            )
+        async with contextlib.AsyncExitStack() as held:
             try:
-                # Another instance holds it while it writes a few files. A thread waits for
-                # it, abandoned if the wait ends first: the descriptor is closed then, so a lock
-                # the thread takes later goes with it.
-                acquired = False
-                with trio.move_on_at(deadline):
+                with trio.fail_after(within):
+                    await self._lock.acquire()
+                    held.callback(self._lock.release)
+                    descriptor = os.open(
+                        self.directory / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+                    )
+                    held.callback(os.close, descriptor)
+                    # Another instance holds it while it writes a few files. A thread waits for
+                    # it, abandoned if the wait ends first: the descriptor is closed then, so a
+                    # lock the thread takes later goes with it.
                     await trio.to_thread.run_sync(
                         fcntl.flock, descriptor, fcntl.LOCK_EX, abandon_on_cancel=True
                     )
-                    acquired = True
-                if not acquired:
-                    raise LockBusy(self._busy(within))
-                claims = self.read()
-                before = dict(claims)
-                yield claims
-                if claims != before:
-                    self.write(claims)
-            finally:
-                os.close(descriptor)
-        finally:
-            self._lock.release()
-
-    def _busy(self, within: float) -> str:
-        return (
-            f"another call held {self.directory / LOCK} for {within:.0f} s (another instance "
-            "of the driver, or a slow disk); kubelet tries again"
-        )
+            except trio.TooSlowError:
+                raise LockBusy(
+                    f"another call held {self.directory / LOCK} for {within:.0f} s (another "
+                    "instance of the driver, or a slow disk); kubelet tries again"
+                ) from None
+            claims = self.read()
+            before = dict(claims)
+            yield claims
+            if claims != before:
+                self.write(claims)
 
 
 def _claims(document: Any) -> Claims:

@@ -24,8 +24,8 @@ from pcc_plugin import grpc_server
 from pcc_plugin.dra import kube, node_facts, slices, taints
 from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.dra.claims import Preparer
-from pcc_plugin.dra.health import HealthFeed, HealthService
-from pcc_plugin.dra.service import DraService, RegistrationService
+from pcc_plugin.dra.health import HealthFeed, health_methods
+from pcc_plugin.dra.service import dra_methods, registration_methods
 from pcc_plugin.dra.sockets import earlier_sockets, instance_token, socket_paths, state_dir
 from pcc_plugin.flags import Flags
 from pcc_plugin.fs import Identity
@@ -77,10 +77,6 @@ class DraMode:
             Path(config.cdi_spec_dir), config.instance_name, api.get_claim,
         )  # fmt: skip
 
-        def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
-            return slices.desired(pool, inventory.spec, inventory.devices, self.unhealthy,
-                                  self.node)  # fmt: skip
-
         sysfs = node_facts.sysfs_missing(config.host_root)
         if sysfs:
             log.warning(
@@ -91,7 +87,7 @@ class DraMode:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)
-                nursery.start_soon(self._publish, api, wanted)
+                nursery.start_soon(self._publish, api)
                 nursery.start_soon(serve_generations, self, bug_backoff)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
@@ -102,15 +98,17 @@ class DraMode:
         (each removes its sockets as it stops)."""
         return accepts_connections(socket_paths(self.config, other.token)[1])
 
-    async def _publish(
-        self, api: kube.Api, wanted: Callable[[slices.Pool], list[dict[str, Any]]]
-    ) -> None:
+    def _wanted(self, pool: slices.Pool) -> list[dict[str, Any]]:
+        devices = self.inventory.devices
+        return slices.desired(pool, self.inventory.spec, devices, self.unhealthy, self.node)
+
+    async def _publish(self, api: kube.Api) -> None:
         """Choose how unhealthy devices show (taints.py), then keep the slices published."""
         config = self.config
         await taints.choose(api, self.unhealthy, config.node_name, self.state)
         pool = slices.Pool(config.driver_name, config.node_name, "")
         me = slices.Instance.starting(instance_token(config))
-        await slices.publish(api, pool, me, self._alive, wanted, lambda: self._changed,
+        await slices.publish(api, pool, me, self._alive, self._wanted, lambda: self._changed,
                              self.state)  # fmt: skip
 
     async def serve_generation(self, generation: Generation) -> None:
@@ -124,15 +122,15 @@ class DraMode:
         self.state.waiting("waiting for kubelet to register the driver")
         registration_path, dra_path = socket_paths(config)
         report = self.state.handler_failed
-        registration = RegistrationService(
+        registration = registration_methods(
             config.driver_name, str(dra_path), self.state, generation.cause
         )
-        kubelets = {**DraService(self.preparer).methods(), **HealthService(self.health).methods()}
+        kubelets = {**dra_methods(self.preparer), **health_methods(self.health)}
         sockets = [
             (path, await generation.nursery.start(grpc_server.serve, server, path))
             for server, path in (
                 (grpc_server.Server(kubelets, report, idle_client=True), dra_path),
-                (grpc_server.Server(registration.methods(), report), registration_path),
+                (grpc_server.Server(registration, report), registration_path),
             )
         ]
         log.info("Serving DRA driver %s on %s, registration on %s",

@@ -86,30 +86,26 @@ class HealthFeed:
                 await changed.wait()
 
 
-class HealthService:
+def health_methods(feed: HealthFeed) -> dict[str, MethodSpec]:
     """NodeWatchResources, in both versions kubelet may pick, on the DRA socket."""
+    said = False
 
-    def __init__(self, feed: HealthFeed) -> None:
-        self._feed = feed
-        self._said = False
-
-    def methods(self) -> dict[str, MethodSpec]:
-        return {path: MethodSpec(stream=self.watch) for path in PATHS}
-
-    async def watch(self, call: Call) -> None:
+    async def watch(call: Call) -> None:
+        nonlocal said
         wire.check_request(await call.receive(), wire.EMPTY, "NodeWatchResourcesRequest")
         service = call.path.strip("/").partition("/")[0]
         # Said once per generation (kubelet opens one stream as it registers the driver): it
         # tells the operator that kubelet puts the devices' health into the pods' status. Any
         # more come from elsewhere, and must not flood the log.
-        log.log(V1 if self._said else logging.INFO, "Kubelet watches the devices' health (%s)",
-                service)  # fmt: skip
-        self._said = True
+        log.log(V1 if said else logging.INFO, "Kubelet watches the devices' health (%s)", service)
+        said = True
 
         async def send(payload: bytes) -> None:
             await call_asyncio(call.send, payload)
 
         try:
-            await call_trio(self._feed.stream, send)
+            await call_trio(feed.stream, send)
         finally:
             log.log(V1, "Kubelet's %s stream ended", service)
+
+    return {path: MethodSpec(stream=watch) for path in PATHS}

@@ -12,8 +12,6 @@ import functools
 import logging
 from typing import Any
 
-import attrs
-
 from pcc_plugin import cdi, wire
 from pcc_plugin._proto import pluginregistration as registration
 from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1, v1beta1
@@ -40,97 +38,89 @@ MAX_CLAIMS = 128
 MAX_CLAIM_BYTES = 1024
 
 
-class RegistrationService:
+def registration_methods(
+    driver: str, endpoint: str, state: ResourceState, cause: str
+) -> dict[str, MethodSpec]:
     """What kubelet asks of the registration socket: who we are, and how registering went."""
-
-    def __init__(self, driver: str, endpoint: str, state: ResourceState, cause: str) -> None:
-        self._state = state
-        self._cause = cause
-        self._driver = driver
-        self._info = bytes(
-            registration.PluginInfo(
-                type=PLUGIN_TYPE,
-                name=driver,
-                endpoint=endpoint,
-                supported_versions=[*SUPPORTED_SERVICES, *health.SERVICES],
-            )
+    info = bytes(
+        registration.PluginInfo(
+            type=PLUGIN_TYPE,
+            name=driver,
+            endpoint=endpoint,
+            supported_versions=[*SUPPORTED_SERVICES, *health.SERVICES],
         )
+    )
 
-    def methods(self) -> dict[str, MethodSpec]:
-        return {
-            REGISTRATION + "GetInfo": MethodSpec(self.get_info),
-            REGISTRATION + "NotifyRegistrationStatus": MethodSpec(self.notify_registration_status),
-        }
-
-    def get_info(self, data: bytes, call: Call) -> bytes:
+    def get_info(data: bytes, call: Call) -> bytes:
         wire.check_request(data, wire.EMPTY, "InfoRequest")
         # Kubelet asks when it finds the socket; the doctor asks too.
         log.log(V1, "Answered GetInfo on the registration socket")
-        return self._info
+        return info
 
-    def notify_registration_status(self, data: bytes, call: Call) -> bytes:
+    def notify_registration_status(data: bytes, call: Call) -> bytes:
         wire.check_request(data, wire.REGISTRATION_STATUS, "RegistrationStatus")
         status = registration.RegistrationStatus.parse(data)
         if status.plugin_registered:
-            self._state.registered_with_kubelet(self._cause)
-            log.info("Registered DRA driver %s with kubelet", self._driver)
+            state.registered_with_kubelet(cause)
+            log.info("Registered DRA driver %s with kubelet", driver)
         else:
-            self._state.waiting(f"kubelet refused the registration: {status.error}")
-            log.error("Kubelet refused the registration of DRA driver %s: %s", self._driver,
+            state.waiting(f"kubelet refused the registration: {status.error}")
+            log.error("Kubelet refused the registration of DRA driver %s: %s", driver,
                       status.error)  # fmt: skip
         return b""
 
+    return {
+        REGISTRATION + "GetInfo": MethodSpec(get_info),
+        REGISTRATION + "NotifyRegistrationStatus": MethodSpec(notify_registration_status),
+    }
 
-@attrs.define
-class DraService:
+
+def dra_methods(preparer: Preparer) -> dict[str, MethodSpec]:
     """NodePrepareResources and NodeUnprepareResources, in both versions kubelet may pick."""
+    calls = {"NodePrepareResources": prepare, "NodeUnprepareResources": unprepare}
+    return {
+        service + name: MethodSpec(functools.partial(call, preparer, api))
+        for service, api in ((DRA_V1, v1), (DRA_V1BETA1, v1beta1))
+        for name, call in calls.items()
+    }
 
-    _preparer: Preparer
 
-    def methods(self) -> dict[str, MethodSpec]:
-        calls = {"NodePrepareResources": self.prepare, "NodeUnprepareResources": self.unprepare}
-        return {
-            service + name: MethodSpec(functools.partial(call, api))
-            for service, api in ((DRA_V1, v1), (DRA_V1BETA1, v1beta1))
-            for name, call in calls.items()
-        }
-
-    async def prepare(self, api: Any, data: bytes, call: Call) -> bytes:
-        claims = read_claims(data, "NodePrepareResourcesRequest")
-        answers = await call_trio(self._preparer.prepare, claims)
-        driver = self._preparer.driver
-        return bytes(
-            api.NodePrepareResourcesResponse(
-                claims={
-                    uid: api.NodePrepareResourceResponse(error=answer)
-                    if isinstance(answer, str)
-                    else api.NodePrepareResourceResponse(
-                        devices=[
-                            api.Device(
-                                request_names=list(device.requests),
-                                pool_name=device.pool,
-                                device_name=device.device,
-                                cdi_device_ids=[cdi.claim_device_id(driver, uid)],
-                            )
-                            for device in answer.devices
-                        ]
-                    )
-                    for uid, answer in answers.items()
-                }
-            )
+async def prepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> bytes:
+    claims = read_claims(data, "NodePrepareResourcesRequest")
+    answers = await call_trio(preparer.prepare, claims)
+    return bytes(
+        api.NodePrepareResourcesResponse(
+            claims={
+                uid: api.NodePrepareResourceResponse(error=answer)
+                if isinstance(answer, str)
+                else api.NodePrepareResourceResponse(
+                    devices=[
+                        api.Device(
+                            request_names=list(device.requests),
+                            pool_name=device.pool,
+                            device_name=device.device,
+                            cdi_device_ids=[cdi.claim_device_id(preparer.driver, uid)],
+                        )
+                        for device in answer.devices
+                    ]
+                )
+                for uid, answer in answers.items()
+            }
         )
+    )
 
-    async def unprepare(self, api: Any, data: bytes, call: Call) -> bytes:
-        claims = read_claims(data, "NodeUnprepareResourcesRequest")
-        answers = await call_trio(self._preparer.unprepare, claims)
-        return bytes(
-            api.NodeUnprepareResourcesResponse(
-                claims={
-                    uid: api.NodeUnprepareResourceResponse(error=error or "")
-                    for uid, error in answers.items()
-                }
-            )
+
+async def unprepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> bytes:
+    claims = read_claims(data, "NodeUnprepareResourcesRequest")
+    answers = await call_trio(preparer.unprepare, claims)
+    return bytes(
+        api.NodeUnprepareResourcesResponse(
+            claims={
+                uid: api.NodeUnprepareResourceResponse(error=error or "")
+                for uid, error in answers.items()
+            }
         )
+    )
 
 
 def read_claims(data: bytes, name: str) -> list[ClaimRef]:
