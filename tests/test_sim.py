@@ -662,14 +662,14 @@ async def test_raw_calls_report_the_status(kubelet: SimKubelet, plugins: Plugins
         await register_and_stream(kubelet, plugin)
         # Field 1 (container_requests) announced as 127 bytes long, with none to follow.
         truncated = await run_blocking(kubelet.call_raw, RESOURCE, ALLOCATE, b"\x0a\x7f")
-        by_path = await run_blocking(kubelet.call_raw, plugin.socket_path, ALLOCATE, valid)
+        answered = await run_blocking(kubelet.call_raw, RESOURCE, ALLOCATE, valid)
         unknown_method = await run_blocking(
-            kubelet.call_raw, str(plugin.socket_path), "/v1beta1.DevicePlugin/Nope", b""
+            kubelet.call_raw, RESOURCE, "/v1beta1.DevicePlugin/Nope", b""
         )
         with pytest.raises(NoPluginError):
             await run_blocking(kubelet.call_raw, "example.com/absent", ALLOCATE, valid)
     assert truncated[0] == grpc.StatusCode.INTERNAL
-    assert by_path == (grpc.StatusCode.OK, "")
+    assert answered == (grpc.StatusCode.OK, "")
     assert unknown_method[0] == grpc.StatusCode.UNIMPLEMENTED
     assert plugin.calls["Allocate"] == 1
 
