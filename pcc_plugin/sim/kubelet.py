@@ -267,13 +267,6 @@ class SimKubelet(Simulator):
 
     # Calls to plugins, as kubelet makes them
 
-    def get_options(self, resource: str, timeout: float = 5.0) -> pb.DevicePluginOptions:
-        parse = pb.DevicePluginOptions.FromString
-        response: pb.DevicePluginOptions = self._call(
-            resource, GET_DEVICE_PLUGIN_OPTIONS, pb.Empty(), parse, timeout
-        )
-        return response
-
     def allocate(
         self, resource: str, container_requests: list[list[str]], timeout: float = 5.0
     ) -> pb.AllocateResponse:
