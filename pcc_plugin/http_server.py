@@ -69,7 +69,6 @@ class HttpServer:
     def __init__(self, daemon: DaemonState) -> None:
         self._daemon = daemon
         self.cap: ConnectionCap[_Exchange] = ConnectionCap(MAX_CONNECTIONS, "HTTP connections", log)
-        self.errors = 0
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """One connection. Never raises: its error must not end the server."""
@@ -86,7 +85,6 @@ class HttpServer:
         except (*_ENDED, h11.ProtocolError) as exc:
             log.log(V1, "HTTP connection ended early: %s", exc or type(exc).__name__)
         except Exception:
-            self.errors += 1
             log.exception("HTTP connection failed unexpectedly; closed it")
         finally:
             self.cap.leave(exchange)

@@ -1,8 +1,5 @@
-"""`pcc-device-plugin`: start the daemon (or, with `doctor` first, check the node).
-
-Exit codes: 0 after SIGTERM/SIGINT/SIGQUIT; 1 when the device or PCC directory is
-not there or the daemon cannot go on; 2 for usage errors; 128+N when a second
-signal N forces the exit.
+"""`pcc-device-plugin`: start the daemon (or, with `doctor` first, check the node); its exit
+codes are in EPILOG.
 
 `main` takes SIGTERM, SIGINT and SIGQUIT over before it imports anything of the
 daemon, so a stop while it starts ends it with 0 too; the flags are read before

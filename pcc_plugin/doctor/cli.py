@@ -16,13 +16,12 @@ from pcc_plugin.doctor.kubelet import (
     check_kubelet,
     check_kubelets_dir,
     check_plugin,
-    expected_devices,
 )
 from pcc_plugin.doctor.node import check_device, check_mount, check_pcc_node, check_sev_guest
 from pcc_plugin.doctor.readyz import check_readyz
 from pcc_plugin.doctor.report import Result, skipped
 from pcc_plugin.flags import DEFAULT_MODE, Flags
-from pcc_plugin.resource import CONTAINER_DEVICE_PATH, ResourceSpec
+from pcc_plugin.resource import CONTAINER_DEVICE_PATH, ResourceSpec, take_inventory
 
 PROG = f"{flags.PROG} doctor"
 DESCRIPTION = (
@@ -100,7 +99,8 @@ async def _examine_device_plugin(
     report(kubelet)
     for spec in specs:
         if kubelet.status == "PASS":
-            expected = expected_devices(spec, config.host_root)
+            # The daemon should list what it would find itself.
+            expected = len(take_inventory(spec, config.host_root, {}))
             report(await check_plugin(plugin_dir, spec, expected, config.pre_start_check))
         else:
             # What the daemon lists matters only to a kubelet that answers.

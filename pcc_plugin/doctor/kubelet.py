@@ -11,7 +11,7 @@ from pcc_plugin import grpc_clients
 from pcc_plugin.doctor.report import AS_ROOT, DAEMON_LOG, Result, expect_kind, failed, passed
 from pcc_plugin.fs import connect_error
 from pcc_plugin.plugin_dir import KUBELET_SOCKET, is_own_socket
-from pcc_plugin.resource import ResourceSpec, take_inventory
+from pcc_plugin.resource import ResourceSpec
 
 # Each network check gives up after this long.
 CHECK_TIMEOUT = 5.0
@@ -78,11 +78,6 @@ async def check_kubelet(plugin_dir: Path) -> Result:
     return passed(
         check, f"{path} answers like kubelet (UNIMPLEMENTED for a method it does not serve)"
     )
-
-
-def expected_devices(spec: ResourceSpec, host_root: str) -> int:
-    """How many devices the daemon should list: what it would find itself."""
-    return len(take_inventory(spec, host_root, {}))
 
 
 def _devices(count: int) -> str:

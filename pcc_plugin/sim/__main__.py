@@ -242,21 +242,6 @@ def add_dra_commands(commands: Any) -> None:
     stop.add_argument("--dir", required=True, type=Path, help="where `dra` serves")
 
 
-def run_dra_command(args: argparse.Namespace) -> int:
-    if args.command == "dra" and args.foreground:
-        # Only here: the fake API server and kubelet's DRA side, and their imports.
-        from pcc_plugin.sim.dra_cluster import serve_dra
-
-        return serve_dra(args.dir, args.node, args.ready_fd)
-    if args.command == "dra":
-        return dra_commands.start_dra(args.dir, args.node)
-    if args.command == "prepare":
-        return dra_commands.prepare_claim(args)
-    if args.command == "unprepare":
-        return dra_commands.unprepare_claim(args)
-    return dra_commands.stop_dra(args.dir)
-
-
 def main() -> None:
     parser = _OneLineParser(
         prog="python -m pcc_plugin.sim",
@@ -295,11 +280,20 @@ def main() -> None:
     add_dra_commands(commands)
     args = parser.parse_args()
     try:
-        if args.command == "kubelet":
-            sys.exit(serve_kubelet(args))
-        if args.command == "allocate":
-            sys.exit(allocate(args))
-        sys.exit(run_dra_command(args))
+        if args.command == "dra" and args.foreground:
+            # Only here: the fake API server and kubelet's DRA side, and their imports.
+            from pcc_plugin.sim.dra_cluster import serve_dra
+
+            sys.exit(serve_dra(args.dir, args.node, args.ready_fd))
+        run = {
+            "kubelet": serve_kubelet,
+            "allocate": allocate,
+            "dra": dra_commands.start_dra,
+            "prepare": dra_commands.prepare_claim,
+            "unprepare": dra_commands.unprepare_claim,
+            "stop": dra_commands.stop_dra,
+        }[args.command]
+        sys.exit(run(args))
     except dra_commands.CommandError as error:
         print(f"{parser.prog} {args.command}: {error}", file=sys.stderr)
         sys.exit(1)

@@ -120,8 +120,8 @@ def _taint_problems(taints: list[Obj]) -> list[str]:
 class FakeApiServer(Simulator):
     """kube-apiserver's DRA endpoints on http://127.0.0.1:<port>, with one bearer token."""
 
-    def __init__(self, token: str = "sim-token") -> None:
-        self.token = token
+    def __init__(self) -> None:
+        self.token = "sim-token"
         self.serves_taints = True
         super().__init__()
         self._versions = itertools.count(1)

@@ -92,10 +92,10 @@ def serving(directory: Path, node: str, said: dict[str, Any]) -> str:
     )
 
 
-def start_dra(directory: Path, node: str) -> int:
+def start_dra(args: Any) -> int:
     """`dra` without --foreground: the simulator in a background process; returns once it
     serves, or says why it could not."""
-    directory = unserved_dir(directory)
+    directory, node = unserved_dir(args.dir), args.node
     log_path = directory / LOG
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "pcc_plugin.sim", "dra", "--foreground", f"--dir={directory}"]
@@ -244,7 +244,7 @@ def unprepare_claim(args: Any) -> int:
     return 0
 
 
-def stop_dra(directory: Path) -> int:
-    answer = ask(directory, {"call": "stop"}, 30.0)
-    print(f"The simulator in {directory} (pid {answer['pid']}) stopped.")
+def stop_dra(args: Any) -> int:
+    answer = ask(args.dir, {"call": "stop"}, 30.0)
+    print(f"The simulator in {args.dir} (pid {answer['pid']}) stopped.")
     return 0

@@ -76,7 +76,6 @@ class SimKubelet(Simulator):
     ``"resource"`` (older kubelets) keeps one client per resource: it disconnects the newest
     client of a resource whenever an older stream of that resource ends, and when the newest
     one's ends, marks the resource unhealthy, leaving the older streams open and unheard.
-    ``dial_timeout`` shortens kubelet's 10 s blocking dial for tests of failed dials.
 
     Every observation method is thread-safe; :meth:`wait_for` blocks until a predicate over them
     holds, woken on each state change.
@@ -88,7 +87,6 @@ class SimKubelet(Simulator):
         *,
         legacy: bool = False,
         key_by: KeyBy = "endpoint",
-        dial_timeout: float = DIAL_TIMEOUT,
     ) -> None:
         self.plugin_dir = Path(plugin_dir).absolute()
         self.socket_path = self.plugin_dir / KUBELET_SOCKET
@@ -100,7 +98,8 @@ class SimKubelet(Simulator):
             )
         self.legacy = legacy
         self.key_by = key_by
-        self.dial_timeout = dial_timeout
+        # Kubelet's blocking dial; tests of failed dials shorten it.
+        self.dial_timeout = DIAL_TIMEOUT
         super().__init__()
         self._server: Any = None
         self._executor: ThreadPoolExecutor | None = None
@@ -268,13 +267,6 @@ class SimKubelet(Simulator):
 
     # Calls to plugins, as kubelet makes them
 
-    def get_options(self, resource: str, timeout: float = 5.0) -> pb.DevicePluginOptions:
-        parse = pb.DevicePluginOptions.FromString
-        response: pb.DevicePluginOptions = self._call(
-            resource, GET_DEVICE_PLUGIN_OPTIONS, pb.Empty(), parse, timeout
-        )
-        return response
-
     def allocate(
         self, resource: str, container_requests: list[list[str]], timeout: float = 5.0
     ) -> pb.AllocateResponse:
@@ -322,19 +314,12 @@ class SimKubelet(Simulator):
         return response
 
     def call_raw(
-        self, target: str | Path, method_path: str, payload: bytes, timeout: float = 5.0
+        self, resource: str, method_path: str, payload: bytes, timeout: float = 5.0
     ) -> tuple[grpc.StatusCode, str]:
-        """Send ``payload`` as is to ``method_path``; return the status code and its details.
-
-        ``target`` is a resource name (its active plugin) or a socket path (a Path, or a string
-        starting with "/"), which need not be registered.
-        """
+        """Send ``payload`` as is to ``method_path`` of the active plugin of ``resource``;
+        return the status code and its details."""
         try:
-            if isinstance(target, Path) or target.startswith("/"):
-                with self._dial_now(Path(target)) as channel:
-                    channel.unary_unary(method_path)(payload, timeout=timeout)
-            else:
-                self._call(target, method_path, payload, bytes, timeout)
+            self._call(resource, method_path, payload, bytes, timeout)
         except grpc.RpcError as rpc_error:
             return rpc_error.code(), rpc_error.details() or ""
         return grpc.StatusCode.OK, ""
@@ -419,7 +404,9 @@ class SimKubelet(Simulator):
         """
         socket_path = self.plugin_dir / request.endpoint
         dialled_at = time.monotonic()
-        channel = self._dial_now(socket_path)
+        channel = grpc.insecure_channel(
+            f"unix:{socket_path}", options=[("grpc.default_authority", "localhost")]
+        )
         reply_future = channel.unary_unary(
             GET_DEVICE_PLUGIN_OPTIONS,
             request_serializer=serialize,
@@ -453,12 +440,6 @@ class SimKubelet(Simulator):
             request.resource_name, request.endpoint, channel, dialled_at, options_at
         )
         return client, options
-
-    @staticmethod
-    def _dial_now(socket_path: Path) -> Any:
-        return grpc.insecure_channel(
-            f"unix:{socket_path}", options=[("grpc.default_authority", "localhost")]
-        )
 
     def _connect_later(self, request: pb.RegisterRequest, index: int, generation: int) -> None:
         """Legacy kubelets: dial and read options in the background after answering Register."""
