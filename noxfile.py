@@ -279,7 +279,7 @@ def image_bases(session: nox.Session) -> None:
     the Debian sid root of `nox -s pythons`, for CI to start early, in the background; each is
     cached.
 
-    Partly download and partly emulated, they can use the core the test suite leaves idle.
+    Mostly download, and a Go build, they can use the core the test suite leaves idle.
     """
     problem = _image_tools_missing()
     if problem:

@@ -446,8 +446,7 @@ def base_images(arches: Iterable[Arch], log: Log) -> dict[Base, str]:
     debootstrapped when missing: each architecture's of its suite, and this machine's of each
     of those suites (the build stages').
 
-    The debootstraps that are needed run at once (each is partly download, partly emulated
-    work). The tarball in CACHE and the image in podman's store are both keyed on the recipe
+    The debootstraps that are needed run at once (each is mostly download). The tarball in CACHE and the image in podman's store are both keyed on the recipe
     (and for this machine's architecture on its extra CAs and pip.conf); those of another key
     for the same suite and architecture are removed.
     """
