@@ -446,9 +446,10 @@ def base_images(arches: Iterable[Arch], log: Log) -> dict[Base, str]:
     debootstrapped when missing: each architecture's of its suite, and this machine's of each
     of those suites (the build stages').
 
-    The debootstraps that are needed run at once (each is mostly download). The tarball in CACHE and the image in podman's store are both keyed on the recipe
-    (and for this machine's architecture on its extra CAs and pip.conf); those of another key
-    for the same suite and architecture are removed.
+    The debootstraps that are needed run at once (each is mostly download). The tarball in
+    CACHE and the image in podman's store are both keyed on the recipe (and for this machine's
+    architecture on its extra CAs and pip.conf); those of another key for the same suite and
+    architecture are removed.
     """
     assert NATIVE is not None, "emulation_problem() tells first"
     wanted = {(suite(a), a) for a in arches} | {(suite(a), NATIVE) for a in arches}
