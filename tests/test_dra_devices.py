@@ -201,7 +201,9 @@ async def test_an_unhealthy_device_stays_listed_with_a_taint_that_says_why(
             "key": KEY, "value": "var-run-pcc-missing", "effect": "NoSchedule"
         }  # fmt: skip
         assert tainted == {key: [taint] for key in SHARES}
-        # A claim allocated before cannot be prepared on it; kubelet is told why.
+        # A claim allocated before cannot be prepared on it; kubelet is told why. The slices
+        # do not wait for kubelet's registration: this call does.
+        await registered(dra)
         dra.claim("late", "uid-late")
         answer = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "late", "uid-late")])
         assert answer.claims["uid-late"].error.startswith("device pcc-3 is unhealthy: detect ")
