@@ -12,11 +12,12 @@ beside them saying how they were built; a later call with the same version, Go a
 them. A lock file per component serialises builds: a second caller (``nox -s e2e`` while CI's
 background build runs) waits for the first and then finds the binaries.
 
-The Kubernetes components are built with ``-gcflags=all=-N -l -dwarf=false``: no optimisation, no
-inlining, no debug information, which makes their cold build much cheaper (kubelet: 619 s
-against 825 s); the sessions need components that behave as released ones do, not fast ones.
-containerd and etcd, small builds, are optimised as released. ``-s -w`` keep the linker from
-writing symbol and DWARF tables.
+Every component is built with ``-gcflags=all=-N -l -dwarf=false``: no optimisation, no
+inlining, no debug information, which makes a cold build much cheaper (kubelet: 619 s against
+825 s); the sessions need components that behave as released ones do, not fast ones. One set of
+flags for all also lets them share the standard library and the modules they have in common
+(gRPC, protobuf, golang.org/x) in the build cache below. ``-s -w`` keep the linker from writing
+symbol and DWARF tables.
 
 The components share one Go build cache, ``<cache>/go-build``: the control plane compiles most
 of what kubelet compiles (client-go, the API types, apimachinery), the same sources with the same
@@ -120,6 +121,7 @@ COMPONENTS = {
                 f"{CONTAINERD}/{command}"
                 for command in ("containerd", "containerd-shim-runc-v2", "ctr")
             ),
+            UNOPTIMISED,
             # Snapshotters the sessions do not use, which need cgo or kernel headers.
             tags="no_btrfs,no_devmapper,no_zfs",
         ),
@@ -134,7 +136,7 @@ COMPONENTS = {
             UNOPTIMISED,
         ),
         # Our own main package (etcd/main.go), which runs etcd's.
-        Component("etcd", "go.etcd.io/etcd/server/v3", ("pcc.local/e2e/etcd",)),
+        Component("etcd", "go.etcd.io/etcd/server/v3", ("pcc.local/e2e/etcd",), UNOPTIMISED),
     )
 }
 
