@@ -10,11 +10,10 @@
     A started :class:`~pcc_plugin.sim.SimKubelet` on ``fake_node.plugin_dir``, stopped at
     teardown. By default a current kubelet; ask for another kind with indirect parametrisation::
 
-        @pytest.mark.parametrize("kubelet", ["current", "legacy"], indirect=True)
+        @pytest.mark.parametrize("kubelet", ["current", "resource-keyed"], indirect=True)
 
-    Kinds: ``"current"`` (options read inside Register, clients kept per endpoint),
-    ``"resource-keyed"`` (options inside Register, clients kept per resource name) and
-    ``"legacy"`` (Register answered before the dial, clients kept per resource name).
+    Kinds: ``"current"`` (clients kept per endpoint, kubelet 1.35 on) and ``"resource-keyed"``
+    (clients kept per resource name, kubelets 1.25 to 1.34).
 
 ``any_kubelet``
     The same fixture parametrised over every kind: for behaviour that must hold against all
@@ -64,7 +63,7 @@ from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon
 from pcc_plugin.sim.apiserver import FakeApiServer
 from pcc_plugin.sim.dra import SimDraKubelet
 
-KUBELET_KINDS = ("current", "resource-keyed", "legacy")
+KUBELET_KINDS = ("current", "resource-keyed")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -82,8 +81,6 @@ def make_kubelet(fake_node: FakeNode, kind: str) -> SimKubelet:
             return SimKubelet(fake_node.plugin_dir)
         case "resource-keyed":
             return SimKubelet(fake_node.plugin_dir, key_by="resource")
-        case "legacy":
-            return SimKubelet(fake_node.plugin_dir, legacy=True, key_by="resource")
     raise ValueError(f"unknown kubelet kind {kind!r}; known: {', '.join(KUBELET_KINDS)}")
 
 

@@ -30,7 +30,6 @@ def _newest_serves(
     kubelet: SimKubelet, endpoints: list[str], devices: dict[str, str], resource: str
 ) -> bool:
     return (
-        # A legacy kubelet keeps using the previous plugin until it has dialled the new one.
         kubelet.active_endpoint(resource) == endpoints[-1]
         and kubelet.stream_open(resource)
         and kubelet.devices(resource) == devices

@@ -114,7 +114,7 @@ async def test_bad_requests_get_invalid_argument_without_a_traceback(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kubelet", ["current", "legacy"], indirect=True)
+@pytest.mark.parametrize("kubelet", ["current", "resource-keyed"], indirect=True)
 async def test_kubelet_restarts_once_then_100_times_without_leaking_fds(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
@@ -137,7 +137,7 @@ async def test_kubelet_restarts_once_then_100_times_without_leaking_fds(
         assert [r.accepted for r in kubelet.registrations] == [True] * 102
 
 
-@pytest.mark.parametrize("kubelet", ["current", "legacy"], indirect=True)
+@pytest.mark.parametrize("kubelet", ["current", "resource-keyed"], indirect=True)
 async def test_a_kubelet_restart_is_routine_and_warns_of_nothing(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:

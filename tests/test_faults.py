@@ -4,8 +4,8 @@ Faults tests/test_daemon.py already covers, not repeated here: Register failing 
 then accepted on the first start (test_register_failures_are_retried_and_each_reason_logged_once;
 the capped, jittered backoff itself in tests/test_supervisor_units.py), a current kubelet dropping
 the stream once, the daemon's own socket deleted under a current kubelet, the device-plugin
-directory removed while kubelet is stopped, 100 restarts against current and legacy kubelets, and
-SIGTERM or SIGINT while idle. This module adds what those leave out.
+directory removed while kubelet is stopped, 100 restarts against current and resource-keyed
+kubelets, and SIGTERM or SIGINT while idle. This module adds what those leave out.
 
 No test here measures time: latency lives in the benchmark (bench/run.py). Every wait is on an
 event (a kubelet state, a log line), under ``trio.fail_after``.
@@ -475,7 +475,7 @@ async def test_sigterm_during_a_restart(
 # Two instances: a rolling update with maxSurge
 
 
-@pytest.mark.parametrize("kubelet", ["current", "resource-keyed", "legacy"], indirect=True)
+@pytest.mark.parametrize("kubelet", ["current", "resource-keyed"], indirect=True)
 async def test_a_second_instance_takes_over_without_flapping(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:

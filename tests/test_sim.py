@@ -353,19 +353,6 @@ async def test_failed_dial_fails_register(kubelet: SimKubelet) -> None:
     assert (registration.dialled_at, registration.options_at) == (None, None)
 
 
-@pytest.mark.parametrize("kubelet", ["legacy"], indirect=True)
-async def test_legacy_kubelet_fails_the_dial_after_accepting_register(kubelet: SimKubelet) -> None:
-    kubelet.dial_timeout = 0.1
-    with trio.fail_after(5):
-        await run_blocking(register, kubelet, endpoint="absent.sock")
-        await wait_until(kubelet, lambda: kubelet.registrations[0].error is not None)
-    [registration] = kubelet.registrations
-    assert registration.accepted
-    assert registration.error is not None
-    assert registration.error.startswith("failed to dial device plugin")
-    assert not kubelet.stream_open(RESOURCE)
-
-
 # Order of Register, options and ListAndWatch
 
 OPTIONS = pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
@@ -387,31 +374,6 @@ async def test_current_kubelet_reads_options_inside_register_then_streams(
     assert kubelet.devices(RESOURCE) == {"w-0": "Healthy", "w-1": "Healthy"}
     assert kubelet.messages(RESOURCE) == 1
     assert plugin.calls["ListAndWatch"] == 1
-
-
-@pytest.mark.parametrize("kubelet", ["legacy"], indirect=True)
-async def test_legacy_kubelet_answers_register_before_reading_options(
-    kubelet: SimKubelet, plugins: Plugins
-) -> None:
-    gate = threading.Event()
-    with trio.fail_after(5):
-        plugin = plugins.start("widget.sock", ["w-0"], OPTIONS, options_gate=gate)
-        await run_blocking(plugin.register, kubelet)
-        # The plugin holds its options back until now, so Register did not wait for them.
-        [registration] = kubelet.registrations
-        assert registration.accepted
-        assert registration.options is None
-        gate.set()
-        await wait_until(kubelet, lambda: kubelet.registrations[0].options is not None)
-        assert kubelet.registrations[0].options == PluginOptions(True, True)
-        await wait_until(kubelet, lambda: kubelet.stream_open(RESOURCE))
-    assert kubelet.devices(RESOURCE) == {"w-0": "Healthy"}
-    [registration] = kubelet.registrations
-    answered, dialled, options, first_list = instants(
-        registration, "answered_at", "dialled_at", "options_at", "first_list_at"
-    )
-    # Dialled after answering, the stream opened after the options.
-    assert answered <= dialled <= options <= first_list
 
 
 async def test_a_registration_records_the_dial_the_options_and_the_first_list(

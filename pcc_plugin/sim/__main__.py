@@ -58,7 +58,7 @@ def serve_kubelet(args: argparse.Namespace) -> int:
 
     # An earlier kubelet's endpoints are gone: kubelet deletes every socket as it starts.
     record.unlink(missing_ok=True)
-    kubelet = SimKubelet(args.dir, legacy=args.legacy, key_by=args.key_by)
+    kubelet = SimKubelet(args.dir, key_by=args.key_by)
     kubelet.on_registered = registered
     try:
         with kubelet:
@@ -252,9 +252,6 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     kubelet = commands.add_parser("kubelet", help="serve kubelet.sock until SIGTERM or SIGINT")
     kubelet.add_argument("--dir", required=True, type=Path, help="device-plugin directory")
-    kubelet.add_argument(
-        "--legacy", action="store_true", help="answer Register before dialling the plugin"
-    )
     kubelet.add_argument(
         "--key-by",
         choices=["endpoint", "resource"],

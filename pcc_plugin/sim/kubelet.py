@@ -6,9 +6,9 @@ thread-based (no grpc.aio), so trio tests can drive it through worker threads.
 
 It behaves like kubelet's device manager (see kubelet-protocol.md): it wipes the sockets in its
 directory at start, validates Register like kubelet and answers failures with status UNKNOWN,
-dials the plugin and reads its options (inside Register, or after it with ``legacy=True``), keeps
-the latest ListAndWatch list per resource, and when a stream ends marks the devices Unhealthy and
-never redials.
+dials the plugin and reads its options inside Register, as kubelets since 1.25 do (the oldest
+docs/deploy.md supports), keeps the latest ListAndWatch list per resource, and when a stream ends
+marks the devices Unhealthy and never redials.
 
 A unix socket path is limited to 107 bytes (``sun_path`` holds 108 with the NUL), so the plugin
 directory must be short: use ``tempfile.mkdtemp(prefix="pcc-", dir="/tmp")``, not pytest's
@@ -69,7 +69,6 @@ _Response = TypeVar("_Response")
 class SimKubelet(Simulator):
     """Serves ``<plugin_dir>/kubelet.sock`` and talks to the plugins that register there.
 
-    ``legacy``: answer Register first and dial the plugin afterwards, like older kubelets.
     ``key_by``: ``"endpoint"`` (kubelet 1.35 and later) keeps a client per socket: an older
     registration's stream of a resource may end without touching the newer one, and when the
     newest one's ends, a remaining endpoint takes over and nothing is marked unhealthy.
@@ -85,7 +84,6 @@ class SimKubelet(Simulator):
         self,
         plugin_dir: Path,
         *,
-        legacy: bool = False,
         key_by: KeyBy = "endpoint",
     ) -> None:
         self.plugin_dir = Path(plugin_dir).absolute()
@@ -96,7 +94,6 @@ class SimKubelet(Simulator):
                 "socket path may have; use a short directory such as one from "
                 'tempfile.mkdtemp(prefix="pcc-", dir="/tmp")'
             )
-        self.legacy = legacy
         self.key_by = key_by
         # Kubelet's blocking dial; tests of failed dials shorten it.
         self.dial_timeout = DIAL_TIMEOUT
@@ -252,10 +249,7 @@ class SimKubelet(Simulator):
             return active is not None and active.streaming
 
     def active_endpoint(self, resource: str) -> str | None:
-        """The endpoint of the plugin kubelet uses for ``resource`` now, or None.
-
-        A legacy kubelet switches to a newly registered plugin only once it has dialled it.
-        """
+        """The endpoint of the plugin kubelet uses for ``resource`` now, or None."""
         with self._changed:
             active = self._resource(resource).active
             return active.endpoint if active else None
@@ -338,7 +332,7 @@ class SimKubelet(Simulator):
         options: PluginOptions | None = None
         if error is None and self.before_dial is not None:
             self.before_dial(self.plugin_dir / request.endpoint)
-        if error is None and not self.legacy:
+        if error is None:
             try:
                 client, options = self._connect(request)
             except DialError as dial_error:
@@ -368,10 +362,8 @@ class SimKubelet(Simulator):
                 )
                 if self.on_registered is not None:
                     self.on_registered(registration)
-                if client is not None:
-                    self._attach(client, len(self._registrations) - 1)
-                else:
-                    self._connect_later(request, len(self._registrations) - 1, generation)
+                assert client is not None
+                self._attach(client, len(self._registrations) - 1)
         if error is not None:
             if client is not None:
                 client.channel.close()
@@ -440,33 +432,6 @@ class SimKubelet(Simulator):
             request.resource_name, request.endpoint, channel, dialled_at, options_at
         )
         return client, options
-
-    def _connect_later(self, request: pb.RegisterRequest, index: int, generation: int) -> None:
-        """Legacy kubelets: dial and read options in the background after answering Register."""
-
-        def connect() -> None:
-            try:
-                client, options = self._connect(request)
-            except DialError as dial_error:
-                with self._changed:
-                    self._registrations[index] = attrs.evolve(
-                        self._registrations[index], error=str(dial_error)
-                    )
-                    self._record(f"connecting to {request.resource_name} failed: {dial_error}")
-                return
-            with self._changed:
-                if generation == self._generation:
-                    self._registrations[index] = attrs.evolve(
-                        self._registrations[index],
-                        options=options,
-                        dialled_at=client.dialled_at,
-                        options_at=client.options_at,
-                    )
-                    self._attach(client, index)
-                    return
-            client.channel.close()
-
-        threading.Thread(target=connect, name="sim-kubelet-connect", daemon=True).start()
 
     # ListAndWatch
 

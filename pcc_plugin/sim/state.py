@@ -71,16 +71,15 @@ class Registration:
     endpoint: str
     resource_name: str
     accepted: bool
-    # Why Register failed, or (legacy mode) why the dial after an accepted Register failed.
+    # Why Register failed.
     error: str | None
-    # Read back from the plugin with GetDevicePluginOptions; None until read, or if it failed.
+    # Read back from the plugin with GetDevicePluginOptions; None if that failed.
     options: PluginOptions | None
-    # Instants by time.monotonic(). Register received, and its answer decided: for a current
-    # kubelet, after the dial.
+    # Instants by time.monotonic(). Register received, and its answer decided (after the dial).
     received_at: float
     answered_at: float = 0.0
     # Kubelet's dial of the plugin's socket begun, GetDevicePluginOptions answered, the first
-    # ListAndWatch list received; None until they happen (never, if the dial failed).
+    # ListAndWatch list received; None if the dial failed (the first list: until it comes).
     dialled_at: float | None = None
     options_at: float | None = None
     first_list_at: float | None = None
