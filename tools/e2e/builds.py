@@ -59,7 +59,6 @@ class Component:
     name: str
     pins: str
     packages: tuple[str, ...]
-    gcflags: str = ""
     tags: str = ""
 
     @property
@@ -97,7 +96,7 @@ class Component:
         recipe = {
             "version": version,
             "go": _go_version(go),
-            "gcflags": self.gcflags,
+            "gcflags": UNOPTIMISED,
             "ldflags": self.ldflags(version),
             "go.sum": (self.module / "go.sum").read_text(),
         }
@@ -121,11 +120,10 @@ COMPONENTS = {
                 f"{CONTAINERD}/{command}"
                 for command in ("containerd", "containerd-shim-runc-v2", "ctr")
             ),
-            UNOPTIMISED,
             # Snapshotters the sessions do not use, which need cgo or kernel headers.
             tags="no_btrfs,no_devmapper,no_zfs",
         ),
-        Component("kubelet", "k8s.io/kubernetes", (f"{KUBERNETES}/kubelet",), UNOPTIMISED),
+        Component("kubelet", "k8s.io/kubernetes", (f"{KUBERNETES}/kubelet",)),
         Component(
             "control-plane",
             "k8s.io/kubernetes",
@@ -133,10 +131,9 @@ COMPONENTS = {
                 f"{KUBERNETES}/{command}"
                 for command in ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
             ),
-            UNOPTIMISED,
         ),
         # Our own main package (etcd/main.go), which runs etcd's.
-        Component("etcd", "go.etcd.io/etcd/server/v3", ("pcc.local/e2e/etcd",), UNOPTIMISED),
+        Component("etcd", "go.etcd.io/etcd/server/v3", ("pcc.local/e2e/etcd",)),
     )
 }
 
