@@ -330,9 +330,9 @@ class SimKubelet(Simulator):
         error = planned_failure or self._validate(request)
         client: PluginClient | None = None
         options: PluginOptions | None = None
-        if error is None and self.before_dial is not None:
-            self.before_dial(self.plugin_dir / request.endpoint)
         if error is None:
+            if self.before_dial is not None:
+                self.before_dial(self.plugin_dir / request.endpoint)
             try:
                 client, options = self._connect(request)
             except DialError as dial_error:
