@@ -198,6 +198,12 @@ class Flags:
         "ask kubelet to call PreStartContainer and check the device and PCC directory "
         "again before each container starts",
     )  # fmt: skip
+    exit_if_missing: bool = _flag(
+        "--exit-if-missing", False,
+        "exit 1 at start if the device or the PCC directory (with --config: any resource's "
+        "device node or mount source) is missing, so that kubelet restarts the daemon with its "
+        "back-off; without it the daemon waits for them and serves once they are in place",
+    )  # fmt: skip
     config: str = _flag(
         "--config", "",
         "YAML file of resources to serve instead of the PCC profile above "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,14 @@ from asyncinotify import Mask
 
 from pcc_plugin.fs import nearest_existing_dir
 from pcc_plugin.inotify import next_events, open_inotify
-from pcc_plugin.resource import Device, DeviceNode, ResourceSpec, seen_from_here, take_inventory
+from pcc_plugin.resource import (
+    Device,
+    DeviceNode,
+    ResourceSpec,
+    seen_from_here,
+    start_problem,
+    take_inventory,
+)
 from pcc_plugin.sensitive import OPT_IN, opted_in
 from pcc_plugin.state import ResourceState
 
@@ -40,7 +48,13 @@ _ANY_NAME = Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED | Mask.Q_OVERFLOW |
 class Inventory:
     """One resource's devices as the node has them, looked at again by `refresh`; each change
     goes to `on_change` (the mode's publisher: the device list kubelet streams, or the
-    ResourceSlices), the first look included."""
+    ResourceSlices), the first look included.
+
+    A resource is not served until its fixed device nodes and mount sources are all in place
+    once (`in_place`): a node whose device or PCC directory comes up after the daemon starts
+    is waited for, said once in the log and on /readyz, instead of being served as unhealthy.
+    After that, a path that goes makes the devices unhealthy.
+    """
 
     def __init__(
         self,
@@ -59,6 +73,9 @@ class Inventory:
         self._by_id: dict[str, Device] = {}
         # In UTF-8 bytes: a longer ID names no device.
         self.longest_id = 0
+        self.in_place = trio.Event()
+        self._missing: str | None = None
+        self._waiting_since = 0.0
         for hazard in opted_in(spec):
             log.warning("%s: %s; containers get it: its entry sets %s", spec.name, hazard, OPT_IN)
         self.refresh()
@@ -68,6 +85,8 @@ class Inventory:
 
     def refresh(self) -> None:
         """Look at the node again; on any change say why, and pass the whole list on."""
+        if not self.in_place.is_set() and not self._arrived():
+            return
         devices = take_inventory(self.spec, self.host_root, self._seen)
         if devices == self.devices:
             return
@@ -81,6 +100,25 @@ class Inventory:
             unhealthy = self._state.unhealthy_devices
             log.log(logging.WARNING if unhealthy else logging.INFO, "%s: %s", self.spec.name, now)
         self._on_change(devices)
+
+    def _arrived(self) -> bool:
+        """Whether every fixed path is in place now; until then, what is missing is said once
+        each time it changes."""
+        missing = start_problem(self.spec, self.host_root)
+        if missing is None:
+            if self._missing is not None:
+                log.info("%s: %s is in place after %.3f s of waiting; serving", self.spec.name,
+                         self._missing, time.monotonic() - self._waiting_since)  # fmt: skip
+            self.in_place.set()
+            return True
+        if missing.path != self._missing:
+            if self._missing is None:
+                self._waiting_since = time.monotonic()
+            self._missing = missing.path
+            log.warning("%s: waiting for %s before serving: %s", self.spec.name, missing.path,
+                        missing.message)  # fmt: skip
+            self._state.waiting(f"waiting for {missing.path} ({missing.problem})")
+        return False
 
 
 def _describe(devices: tuple[Device, ...]) -> str:

@@ -26,8 +26,8 @@ DESCRIPTION = (
 EPILOG = (
     "`pcc-device-plugin doctor [flags]` checks a node with the same flags. "
     "Flags also take Go's single-dash spelling (-v=1, -resource-count 8). "
-    "Exit codes: 0 stopped by SIGTERM/SIGINT; 1 device or PCC directory missing, "
-    "or a fatal error; 2 usage error; 130/143 forced by a second signal."
+    "Exit codes: 0 stopped by SIGTERM/SIGINT; 1 a fatal error, or with --exit-if-missing "
+    "a device or PCC directory missing; 2 usage error; 130/143 forced by a second signal."
 )
 
 
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         cli.main(argv[1:])
 
     from pcc_plugin import configuration, flags, klog
-    from pcc_plugin.resource import pcc_start_problem
+    from pcc_plugin.resource import start_problem
 
     config, wants_version = flags.parse(argv, flags.PROG, DESCRIPTION, EPILOG)
     if wants_version:
@@ -58,11 +58,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         served = configuration.read(config)
     except configuration.ConfigError as exc:
         flags.usage_error(flags.PROG, str(exc), exc.see)
-    if not config.config:
-        problem = pcc_start_problem(served.specs[0], config.host_root)
-        if problem:
-            log.error("%s", problem)
-            sys.exit(1)
+    if config.exit_if_missing:
+        for spec in served.specs:
+            missing = start_problem(spec, config.host_root)
+            if missing:
+                log.error("%s", missing.message)
+                sys.exit(1)
     raise_open_file_limit()
 
     from pcc_plugin import bridge, supervisor

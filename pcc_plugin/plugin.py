@@ -39,6 +39,7 @@ class DevicePluginMode:
     async def serve(self, bug_backoff: Backoff) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(watch_health, self.plugin.inventory)
+            await self.plugin.inventory.in_place.wait()
             nursery.start_soon(serve_generations, self, bug_backoff)
 
     async def serve_generation(self, generation: Generation) -> None:

@@ -125,8 +125,9 @@ def pcc_resource(name: str, count: int, device: str, pcc_dir: str) -> ResourceSp
     )
 
 
-# What to do when the PCC profile's device or directory is missing: the daemon's fatal line at
-# start and the doctor's fixes say the same, as do the README and docs/deploy.md.
+# What to do when the PCC profile's device or directory is missing: the daemon's line while it
+# waits (or its fatal line with --exit-if-missing) and the doctor's fixes say the same, as do
+# the README and docs/deploy.md.
 NODE_LABEL = "tke.cloud.tencent.com/pcc-device-plugin"
 LOAD_SEV_GUEST = "on an SEV-SNP guest, load its sev-guest driver (modprobe sev-guest)"
 NOT_AN_SEV_SNP_NODE = f"a node that is not one has no PCC device: remove its label {NODE_LABEL}"
@@ -216,24 +217,45 @@ def shared_problem(spec: ResourceSpec, host_root: str) -> Problem | None:
     return None
 
 
-def pcc_start_problem(spec: ResourceSpec, host_root: str) -> str | None:
-    """Why the PCC profile cannot start on this node, and what to check there: the daemon's
-    fatal line (without --config it does not start until both are in place)."""
-    (device,) = spec.device_nodes
-    (pcc_dir,) = spec.mounts
-    problem = _node_problem(device, host_root)
-    if problem:
-        return (
-            f"{problem.text}; check {device.host_path} on the node: {LOAD_SEV_GUEST}; "
-            f"{NOT_AN_SEV_SNP_NODE}; {ELSEWHERE_DEVICE}"
-        )
-    problem = _mount_problem(pcc_dir, host_root)
-    if problem:
-        return (
-            f"{problem.text}; check {pcc_dir.host_path} on the node: {START_PCC_SERVICE}; "
-            f"{ELSEWHERE_DIR}"
-        )
+@attrs.frozen
+class Missing:
+    """What a resource waits for before it is served: a device node or mount source as this
+    process sees it (`path`), why it is not in place (`problem`, the words operators search
+    for), and the line that says both with what to check on the node and elsewhere."""
+
+    path: str
+    problem: str
+    message: str
+
+
+def start_problem(spec: ResourceSpec, host_root: str) -> Missing | None:
+    """The first of `spec`'s fixed device nodes and mount sources that is not in place, or None.
+
+    The PCC profile's two get the fixes the doctor gives too; a profile's own entries are named
+    by their host path.
+    """
+    for node in spec.fixed_nodes:
+        problem = _node_problem(node, host_root)
+        if problem:
+            if node.container_path == CONTAINER_DEVICE_PATH:
+                fix = f"{LOAD_SEV_GUEST}; {NOT_AN_SEV_SNP_NODE}; {ELSEWHERE_DEVICE}"
+            else:
+                fix = f"not on a node: point the profile's {node.host_path} at a device"
+            return _missing(host_root, node.host_path, problem, fix)
+    for mount in spec.mounts:
+        problem = _mount_problem(mount, host_root)
+        if problem:
+            if mount.container_path == CONTAINER_PCC_PATH:
+                fix = f"{START_PCC_SERVICE}; {ELSEWHERE_DIR}"
+            else:
+                fix = f"not on a node: point the profile's {mount.host_path} at a directory"
+            return _missing(host_root, mount.host_path, problem, fix)
     return None
+
+
+def _missing(host_root: str, host_path: str, problem: Problem, fix: str) -> Missing:
+    message = f"{problem.text}; check {host_path} on the node: {fix}"
+    return Missing(seen_from_here(host_root, host_path), problem.text, message)
 
 
 @attrs.frozen

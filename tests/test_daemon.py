@@ -272,7 +272,7 @@ CHECK_THE_DIRECTORY = (
          + CHECK_THE_DIRECTORY),
     ],
 )  # fmt: skip
-async def test_detect_failures_exit_1_with_the_searched_phrase_and_what_to_check(
+async def test_with_exit_if_missing_detect_failures_exit_1_with_the_phrase_and_the_fix(
     fake_node: FakeNode, start_daemon: StartDaemon, breakage: str, message: str
 ) -> None:
     if breakage == "missing dir":
@@ -282,7 +282,7 @@ async def test_detect_failures_exit_1_with_the_searched_phrase_and_what_to_check
         if breakage == "regular file":
             fake_node.device.write_text("")
     with trio.fail_after(20):
-        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0), "--exit-if-missing")
         assert await run_blocking(daemon.exited, 15) == 1
         (line,) = daemon.log_text().splitlines()
         assert re.match(r"E\d{4} ", line)

@@ -52,11 +52,18 @@ def socket_path() -> Iterator[Path]:
 @asynccontextmanager
 async def serving(
     socket_path: Path,
-    host_root: str = "",
+    host_root: str | None = None,
     stats: ResourceState | None = None,
     idle_client: bool = False,
 ) -> AsyncIterator[grpc_server.Server]:
-    """The PCC resource's service on `socket_path`, until the block ends (then torn down)."""
+    """The PCC resource's service on `socket_path`, until the block ends (then torn down); by
+    default for a host beside the socket that has the device and the PCC directory."""
+    if host_root is None:
+        host = socket_path.parent / "host"
+        (host / "dev").mkdir(parents=True)
+        (host / "dev" / "sev-guest").symlink_to("/dev/null")
+        (host / "var" / "run" / "pcc").mkdir(parents=True)
+        host_root = str(host)
     plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceState("x"))
     methods = plugin.methods(KubeletLink(plugin.state))
     server = grpc_server.Server(methods, plugin.state.handler_failed, idle_client=idle_client)

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import trio
 from daemon_support import RESOURCE, log_line, serving
+from metrics_support import get, metrics_port
 
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 
@@ -28,6 +29,45 @@ async def allocate_status(kubelet: SimKubelet) -> tuple[grpc.StatusCode, str]:
     except grpc.RpcError as exc:
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
+
+
+@pytest.mark.parametrize("late", [["pcc dir"], ["device"], ["device", "pcc dir"]])
+async def test_a_device_or_pcc_dir_that_comes_up_late_is_waited_for_then_served(
+    kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon, late: list[str]
+) -> None:
+    """A node whose PCC service or sev-guest driver comes up after the daemon: no exit (no
+    CrashLoopBackOff), nothing registered, one line per missing path with its fix and the path
+    on /readyz; once everything is in place, registered at once, without a restart."""
+    paths = {"device": fake_node.device, "pcc dir": fake_node.pcc_dir}
+    fixes = {"device": "load its sev-guest driver", "pcc dir": "start the PCC service"}
+    for what in late:
+        paths[what].unlink() if what == "device" else paths[what].rmdir()
+    with trio.fail_after(30):
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
+        port = await metrics_port(daemon)
+        for what in late:
+            path = paths[what]
+            line = await log_line(daemon, f"waiting for {path} before serving: ")
+            assert f"{path} failed: No such file or directory; check " in line
+            assert fixes[what] in line
+            assert line.startswith("W")
+            status, _, body = await get(port, "/readyz")
+            assert status == 503
+            assert f"{RESOURCE}: waiting for {path} (detect " in body
+            assert kubelet.registrations == []
+            if what == "device":
+                path.symlink_to("/dev/null")
+            else:
+                path.mkdir()
+        await serving(kubelet)
+        in_place = await log_line(daemon, f"{paths[late[-1]]} is in place after ")
+        assert in_place.startswith("I")
+        # Logged in the step that marks the resource registered: /readyz is 200 from then on.
+        await log_line(daemon, "Registered device plugin with Kubelet")
+        assert (await get(port, "/readyz"))[0] == 200
+        assert len(kubelet.registrations) == 1
+        assert daemon.proc.poll() is None
+        assert daemon.log_text().count("waiting for ") == len(late)
 
 
 async def test_device_going_and_coming_back(

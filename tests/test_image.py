@@ -642,19 +642,26 @@ def record_start(arch: images.Arch, seconds: float) -> None:
             report.write(json.dumps(line) + "\n")
 
 
-def test_missing_device_ends_in_the_documented_log(
+def test_missing_device_is_waited_for_with_the_documented_log(
     arch: images.Arch, config: Obj, rootfs: Path, fake_host: FakeNode, tmp_path: Path
 ) -> None:
+    """As shipped, a device that comes up after the plugin is waited for, not exited on."""
     fake_host.device.unlink()
     plugin_dir = fake_host.host_root / PLUGIN_DIR.lstrip("/")
-    plugin_dir.mkdir(parents=True)
+    kubelet = SimKubelet(plugin_dir)
+    kubelet.start()
     daemon, _ = start_from_image(config, rootfs, fake_host, tmp_path / "plugin.log")
     try:
         line = daemon.wait_for_log("detect device", timeout=60 * patience(arch))
-        assert "detect device /host/dev/sev-guest failed: No such file or directory" in line
-        assert daemon.proc.wait(30 * patience(arch)) == 1
+        assert "waiting for /host/dev/sev-guest before serving: detect device " in line
+        assert "/host/dev/sev-guest failed: No such file or directory" in line
+        assert not kubelet.registrations
+        fake_host.device.symlink_to("/dev/null")
+        daemon.wait_for_log("Registered device plugin with Kubelet", timeout=30 * patience(arch))
+        assert daemon.proc.poll() is None
     finally:
         daemon.close()
+        kubelet.stop()
 
 
 DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))

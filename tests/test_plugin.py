@@ -64,8 +64,10 @@ def test_listing_has_every_share_with_stable_ids(host: Path) -> None:
 
 
 def test_listing_follows_resource_count_and_health(host: Path) -> None:
+    plugin = pcc_plugin(host, resource_count=10_000)
     (host / "dev" / "sev-guest").unlink()
-    devices = listing(pcc_plugin(host, resource_count=10_000)).devices
+    plugin.inventory.refresh()
+    devices = listing(plugin).devices
     assert len(devices) == 10_000
     assert devices[-1].ID == "pcc-9999"
     assert {device.health for device in devices} == {"Unhealthy"}

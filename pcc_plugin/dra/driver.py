@@ -87,6 +87,7 @@ class DraMode:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)
+                await inventory.in_place.wait()
                 nursery.start_soon(self._publish, api)
                 nursery.start_soon(serve_generations, self, bug_backoff)
         finally:
