@@ -4,8 +4,9 @@
     PYTHONPATH=tools python3 -m e2e.builds kubelet containerd   # only these
 
 Each component is a Go module of ours under ``tools/e2e/`` that requires one upstream module at
-one version (``kubelet/`` and ``control-plane/`` require ``k8s.io/kubernetes`` and replace every
-``k8s.io/*`` staging module with its ``v0.<minor>.<patch>`` release). ``go build`` fetches the
+one version (``kubelet/``, ``kubelet-1.35/``, ``control-plane/`` and ``kubectl/`` require
+``k8s.io/kubernetes`` and replace every ``k8s.io/*`` staging module with its
+``v0.<minor>.<patch>`` release). ``go build`` fetches the
 sources through the Go module proxy (``GOPROXY``) and checks them against the module's
 ``go.sum``. The binaries go to ``<cache>/<component>-<version>/`` by rename, with ``build.json``
 beside them saying how they were built; a later call with the same version, Go and flags reuses
@@ -134,6 +135,9 @@ COMPONENTS = {
         ),
         # Our own main package (etcd/main.go), which runs etcd's.
         Component("etcd", "go.etcd.io/etcd/server/v3", ("pcc.local/e2e/etcd",)),
+        # The cluster's own kubectl (the control plane's minor), and the fleet's older kubelet.
+        Component("kubectl", "k8s.io/kubernetes", (f"{KUBERNETES}/kubectl",)),
+        Component("kubelet-1.35", "k8s.io/kubernetes", (f"{KUBERNETES}/kubelet",)),
     )
 }
 
