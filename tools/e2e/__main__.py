@@ -26,8 +26,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import CLUSTER_STAGES
+
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = ("runc", "unshare", "mount", "ip", "kubectl", "go")
+TOOLS = ("runc", "unshare", "mount", "ip", "nsenter", "go")
 # The cluster's certificates, and the CNI plugins its pods' network is made with.
 CLUSTER_TOOLS = ("openssl",)
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
@@ -85,17 +87,30 @@ def _image_references(archive: Path) -> list[str]:
 
 
 def _cgroups() -> set[Path]:
-    """runc's cgroups for containerd's k8s.io namespace, in every hierarchy (v1 and v2)."""
-    patterns = ("k8s.io", "k8s.io/*", "*/k8s.io", "*/k8s.io/*")
+    """runc's cgroups for containerd's k8s.io namespace and the fleet's nodes (fleet.py), in
+    every hierarchy (v1 and v2)."""
+    patterns = ("k8s.io", "k8s.io/*", "*/k8s.io", "*/k8s.io/*", "*/pcc-e2e-node-*",
+                "*/pcc-e2e-node-*/**")  # fmt: skip
     return {path for pattern in patterns for path in CGROUPS.glob(pattern) if path.is_dir()}
 
 
-def _remove_new_cgroups(before: set[Path]) -> None:
-    for path in sorted(_cgroups() - before, key=lambda p: len(p.parts), reverse=True):
-        try:
-            path.rmdir()
-        except OSError as error:
-            print(f"e2e: left {path}: {error}", file=sys.stderr)
+def _remove_new_cgroups(before: set[Path], within: float = 10) -> None:
+    """The cgroups made during the session, deepest first. A cgroup stays busy for a moment
+    after the namespace's end killed its processes: those are tried again, for `within`
+    seconds at most."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for path in sorted(_cgroups() - before, key=lambda p: len(p.parts), reverse=True):
+            try:
+                path.rmdir()
+            except OSError as failed:
+                left.append((path, failed))
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for path, problem in left:
+        print(f"e2e: left {path}: {problem}", file=sys.stderr)
 
 
 def _wait_interruptibly(process: subprocess.Popen[bytes], grace: float = 120) -> int:
@@ -123,14 +138,18 @@ def _binaries(cluster: bool) -> list[str]:
 
     kubelet = builds.kubelet(log)
     found = {"kubelet": kubelet, "containerd": builds.ensure("containerd", log) / "containerd"}
+    # The control plane's minor, whatever kubectl the machine has (the skew kubectl allows).
+    found["kubectl"] = builds.ensure("kubectl", log) / "kubectl"
     if cluster:
         control_plane = builds.ensure("control-plane", log)
         found["kube-apiserver"] = control_plane / "kube-apiserver"
         found["etcd"] = builds.ensure("etcd", log) / "etcd"
+        found["kubelet-1.35"] = builds.ensure("kubelet-1.35", log) / "kubelet"
     # Not built here: the first runc on PATH, named to containerd by its path (node.py).
     found["runc"] = Path(shutil.which("runc") or "runc").resolve()
     for name, binary in found.items():
-        version = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+        asked = [str(binary), *(["version", "--client"] if name == "kubectl" else ["--version"])]
+        version = subprocess.run(asked, capture_output=True, text=True, check=False)
         if version.returncode != 0 or not version.stdout.strip():
             raise SystemExit(
                 f"e2e: {name} {binary} does not run (`--version`: exit {version.returncode}, "
@@ -138,9 +157,10 @@ def _binaries(cluster: bool) -> list[str]:
             )
         log(f"{binary}: {version.stdout.strip().splitlines()[0]}")
     argv = ["--kubelet", str(kubelet), "--containerd", str(found["containerd"].parent),
-            "--runc", str(found["runc"])]  # fmt: skip
+            "--runc", str(found["runc"]), "--kubectl", str(found["kubectl"])]  # fmt: skip
     if cluster:
-        argv += ["--control-plane", str(control_plane), "--etcd", str(found["etcd"])]
+        argv += ["--control-plane", str(control_plane), "--etcd", str(found["etcd"]),
+                 "--kubelet-1.35", str(found["kubelet-1.35"])]  # fmt: skip
     return argv
 
 
@@ -173,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
         consumer_reference, "--plugin-image", str(plugin_archive), "--plugin-reference",
         plugin_references[0],
     ]  # fmt: skip
-    if not cluster:
+    if cluster:
+        argv += [f"--only={stage}" for stage in args.only or ()]
+    else:
         variants = args.variant or scenario.RUN_BY_DEFAULT
         argv += [*(f"--variant={v}" for v in variants), f"--race={args.race}",
                  f"--race-pods={args.race_pods}"]  # fmt: skip
@@ -201,6 +223,8 @@ def inside(args: argparse.Namespace) -> int:
 
     from . import harness
 
+    # The kubectl built at the control plane's version, for the checks and what they run.
+    os.environ["PATH"] = os.pathsep.join([str(Path(args.kubectl).parent), os.environ["PATH"]])
     return trio.run(harness.main, args)
 
 
@@ -241,15 +265,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         )  # fmt: skip
     for name in ("run", "cluster"):
         commands.choices[name].add_argument("--keep-logs", action="store_true")
+    for name in ("cluster", "inside"):
+        commands.choices[name].add_argument(
+            "--only", action="append", choices=CLUSTER_STAGES, metavar="STAGE",
+            help=f"run only this stage of the cluster's checks (repeatable; default: all of "
+            f"{', '.join(CLUSTER_STAGES)}, in that order; docs/e2e.md)",
+        )  # fmt: skip
     inner = commands.choices["inside"]
     inner.add_argument("--session", choices=("e2e", "cluster"), required=True)
-    for option in ("--state", "--logs", "--kubelet", "--containerd", "--runc", "--pause-image",
-                   "--pause-reference", "--consumer-image", "--consumer-reference",
-                   "--plugin-reference"):  # fmt: skip
+    for option in ("--state", "--logs", "--kubelet", "--containerd", "--runc", "--kubectl",
+                   "--pause-image", "--pause-reference", "--consumer-image",
+                   "--consumer-reference", "--plugin-reference"):  # fmt: skip
         inner.add_argument(option, required=True)
     inner.add_argument("--yardstick", help="the yardstick's binary")
     inner.add_argument("--control-plane")
     inner.add_argument("--etcd")
+    inner.add_argument("--kubelet-1.35", dest="kubelet_1_35")
+    # A member of the cluster's fleet holding its namespaces (fleet.hold).
+    commands.add_parser("fleet-node").add_argument("--state", required=True)
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments and arguments[0].startswith("--"):
         arguments.insert(0, "run")
@@ -266,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if problems else 0
     if args.command == "inside":
         return inside(args)
+    if args.command == "fleet-node":
+        from . import fleet
+
+        return fleet.hold(Path(args.state))
     if args.command in ("run", "cluster"):
         return run(args)
     parser.print_help()

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
@@ -42,8 +43,8 @@ GET_ALLOCATABLE = "/v1.PodResourcesLister/GetAllocatableResources"
 CALL_TIMEOUT = 5.0
 
 
-def _call(method: str, request: Any, response_type: Any) -> Any:
-    with grpc.insecure_channel(f"unix://{POD_RESOURCES_SOCKET}") as channel:
+def _call(method: str, request: Any, response_type: Any, socket: Path) -> Any:
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
         stub = channel.unary_unary(
             method,
             request_serializer=lambda message: message.SerializeToString(),
@@ -62,10 +63,11 @@ async def _blocking(function: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(function, *args, abandon_on_cancel=True)
 
 
-async def allocatable(resource: str) -> list[str]:
-    """The device IDs kubelet may allocate for `resource` now (healthy ones, in use or not)."""
+async def allocatable(resource: str, socket: Path = POD_RESOURCES_SOCKET) -> list[str]:
+    """The device IDs kubelet may allocate for `resource` now (healthy ones, in use or not);
+    another node's kubelet through its `socket`, as seen from here (fleet.py)."""
     response = await _blocking(_call, GET_ALLOCATABLE, pb.AllocatableResourcesRequest(),
-                               pb.AllocatableResourcesResponse)  # fmt: skip
+                               pb.AllocatableResourcesResponse, socket)  # fmt: skip
     return sorted(
         device_id
         for devices in response.devices
@@ -114,10 +116,10 @@ async def sampling_allocatable(
             stop.set()
 
 
-async def _containers() -> list[tuple[str, str, Any]]:
+async def _containers(socket: Path) -> list[tuple[str, str, Any]]:
     """Kubelet's List: (namespace, pod name, container's resources) of every container."""
     response = await _blocking(_call, LIST, pb.ListPodResourcesRequest(),
-                               pb.ListPodResourcesResponse)  # fmt: skip
+                               pb.ListPodResourcesResponse, socket)  # fmt: skip
     return [
         (pod.namespace, pod.name, container)
         for pod in response.pod_resources
@@ -125,10 +127,12 @@ async def _containers() -> list[tuple[str, str, Any]]:
     ]
 
 
-async def assigned(resource: str) -> dict[tuple[str, str, str], list[str]]:
+async def assigned(
+    resource: str, socket: Path = POD_RESOURCES_SOCKET
+) -> dict[tuple[str, str, str], list[str]]:
     """(namespace, pod name, container) -> device IDs of `resource` that kubelet assigned."""
     found = {}
-    for namespace, pod, container in await _containers():
+    for namespace, pod, container in await _containers(socket):
         ids = sorted(i for d in container.devices if d.resource_name == resource
                      for i in d.device_ids)  # fmt: skip
         if ids:
@@ -136,11 +140,13 @@ async def assigned(resource: str) -> dict[tuple[str, str, str], list[str]]:
     return found
 
 
-async def claimed(driver: str) -> dict[tuple[str, str, str], list[tuple[str, list[str]]]]:
+async def claimed(
+    driver: str, socket: Path = POD_RESOURCES_SOCKET
+) -> dict[tuple[str, str, str], list[tuple[str, list[str]]]]:
     """(namespace, pod name, container) -> (device, its CDI devices) of each of `driver`'s
     devices in the container's ResourceClaims, as kubelet prepared them (DRA)."""
     found = {}
-    for namespace, pod, container in await _containers():
+    for namespace, pod, container in await _containers(socket):
         devices = sorted(
             (resource.device_name, [cdi.name for cdi in resource.cdi_devices])
             for claim in container.dynamic_resources

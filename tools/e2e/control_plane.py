@@ -246,6 +246,11 @@ class ControlPlane:
             ], self.logs / "kube-scheduler.log"),
         ]  # fmt: skip
 
+    def node_kubeconfig(self, name: str) -> Path:
+        """A kubeconfig for the kubelet of node `name` (its own ``system:node:<name>``)."""
+        subject = f"/O=system:nodes/CN=system:node:{name}"
+        return self.pki.kubeconfig(f"kubelet-{name}", self.pki.issue(f"kubelet-{name}", subject))
+
     @staticmethod
     def _client_flags(kubeconfig: Path) -> list[str]:
         return [

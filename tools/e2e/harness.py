@@ -21,8 +21,9 @@ from pathlib import Path
 import trio
 
 from . import api, pods, scenario
+from . import fleet as fleet_
 from .control_plane import ControlPlane
-from .node import CONTAINERD_SOCKET, Node, privatise
+from .node import CONTAINERD_SOCKET, NODE_NAME, Node, privatise
 from .poll import wait_for
 from .report import Report, now
 
@@ -52,7 +53,8 @@ async def _kubelet_answers(node: Node) -> bool | None:
 
 async def start_containerd(node: Node) -> None:
     await node.containerd.start()
-    await wait_for(f"containerd on {CONTAINERD_SOCKET}", lambda: _containerd_answers(node), 30)
+    await wait_for(f"containerd on {node.name}'s {CONTAINERD_SOCKET}",
+                   lambda: _containerd_answers(node), 30)  # fmt: skip
 
 
 async def start_kubelet(node: Node) -> None:
@@ -72,7 +74,9 @@ async def start_containerd_with_images(
     node.write_containerd_config(args.pause_reference)
     started = now()
     await start_containerd(node)
-    report.figure("containerd started → answers", now() - started)
+    # Node A's figures keep their names; the fleet's members' say theirs.
+    on = "" if node.name == NODE_NAME else f"{node.name}: "
+    report.figure(f"{on}containerd started → answers", now() - started)
     started = now()
     for archive in (args.pause_image, args.consumer_image, args.plugin_image):
         await node.ctr("images", "import", archive, within=300)
@@ -80,7 +84,7 @@ async def start_containerd_with_images(
                           (args.consumer_reference, consumer_names)):  # fmt: skip
         for reference in sorted(names - {source}):
             await node.ctr("images", "tag", "--force", source, reference)
-    report.figure("images imported into containerd", now() - started)
+    report.figure(f"{on}images imported into containerd", now() - started)
 
 
 async def start_node(node: Node, args: argparse.Namespace, report: Report) -> None:
@@ -107,16 +111,23 @@ async def reset_node(node: Node) -> None:
     await start_kubelet(node)
 
 
-async def tear_down(node: Node, control_plane: ControlPlane | None) -> None:
-    """Stop kubelet, every container, containerd, the control plane: each step bounded, each
-    failure reported."""
-    steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
-        ("stop kubelet", node.kubelet.stop),
-        ("stop the containers", node.stop_all_containers),
-        ("stop containerd", node.containerd.stop),
-    ]
+async def tear_down(
+    node: Node, control_plane: ControlPlane | None, fleet: fleet_.Fleet | None = None
+) -> None:
+    """Stop kubelet, every container, containerd (of each node of the fleet too), the control
+    plane: each step bounded, each failure reported."""
+    nodes = [node] if fleet is None else list(fleet.nodes.values())
+    steps: list[tuple[str, Callable[[], Awaitable[object]]]] = []
+    for each in nodes:
+        steps += [
+            (f"stop kubelet on {each.name}", each.kubelet.stop),
+            (f"stop the containers on {each.name}", each.stop_all_containers),
+            (f"stop containerd on {each.name}", each.containerd.stop),
+        ]
     if control_plane is not None:
         steps.append(("stop the control plane", control_plane.stop))
+    if fleet is not None:
+        steps.append(("release the fleet's namespaces", fleet.release))
     for step, action in steps:
         try:
             with trio.fail_after(60):
@@ -158,12 +169,12 @@ async def main(args: argparse.Namespace) -> int:
             control_plane = None
             if args.session == "cluster":
                 control_plane = ControlPlane(state, logs, Path(args.control_plane), Path(args.etcd))
-            joining: dict[str, Path] = {}
-            if control_plane is not None:
-                joining["kubeconfig"] = control_plane.kubelet_kubeconfig
-                joining["client_ca"] = control_plane.pki.ca.certificate
-            node = Node(state, logs, Path(args.kubelet), Path(args.containerd), Path(args.runc),
-                        nursery, **joining)  # fmt: skip
+            node = Node(
+                state, logs, Path(args.kubelet), Path(args.containerd), Path(args.runc), nursery,
+                kubeconfig=None if control_plane is None else control_plane.kubelet_kubeconfig,
+                client_ca=None if control_plane is None else control_plane.pki.ca.certificate,
+            )  # fmt: skip
+            fleet: fleet_.Fleet | None = None
             try:
                 if control_plane is None:
                     await start_node(node, args, report)
@@ -176,9 +187,19 @@ async def main(args: argparse.Namespace) -> int:
                     from . import cluster
 
                     node.write_cni_config()
+                    kubelets = {"kubelet": node.kubelet_binary,
+                                "kubelet-1.35": Path(args.kubelet_1_35)}  # fmt: skip
+                    fleet = await fleet_.open_fleet(node, control_plane, state, logs, kubelets,
+                                                   nursery)  # fmt: skip
                     consumer_images = pods.images(pods.cluster_consumer_pod())
-                    await start_containerd_with_images(node, args, report, set(), consumer_images)
-                    await cluster.run(node, control_plane, report, args.plugin_reference)
+                    async with trio.open_nursery() as starting:
+                        for each in fleet.nodes.values():
+                            starting.start_soon(
+                                start_containerd_with_images, each, args, report, set(),
+                                consumer_images,
+                            )  # fmt: skip
+                    await cluster.run(fleet, control_plane, report, args.plugin_reference,
+                                      tuple(args.only or cluster.STAGES))  # fmt: skip
                 outcome = "failed" if report.failures else "passed"
             except Exception as error:
                 outcome = "failed"
@@ -191,7 +212,7 @@ async def main(args: argparse.Namespace) -> int:
             finally:
                 with trio.CancelScope(shield=True):
                     keep_pod_logs(logs)
-                    await tear_down(node, control_plane)
+                    await tear_down(node, control_plane, fleet)
                 nursery.cancel_scope.cancel()
     print(f"\n{report.table()}\n", flush=True)
     for fact in report.facts:

@@ -100,13 +100,7 @@ def _overlay(path: str, state: Path) -> None:
 def privatise(state: Path) -> None:
     """Make the machine's state private to this namespace (see the module's docstring)."""
     _run("mount", "-t", "tmpfs", "-o", "mode=0700,size=8g", "pcc-e2e-state", str(state))
-    for path in OVERLAID:
-        _overlay(path, state)
-    for name, target in PRIVATE.items():
-        source = state / "private" / name
-        source.mkdir(parents=True)
-        Path(target).mkdir(parents=True, exist_ok=True)
-        _run("mount", "--bind", str(source), target)
+    own_directories(state)
     for sysctl in KUBELET_SYSCTLS:
         if not (Path("/proc/sys") / sysctl).exists():
             continue
@@ -114,9 +108,23 @@ def privatise(state: Path) -> None:
         private.parent.mkdir(parents=True, exist_ok=True)
         private.write_text((Path("/proc/sys") / sysctl).read_text())
         _run("mount", "--bind", str(private), f"/proc/sys/{sysctl}")
-    _run("mount", "--make-rshared", "/")
     _run("ip", "link", "set", "lo", "up")
     _run("ip", "address", "add", f"{NODE_IP}/32", "dev", "lo")
+
+
+def own_directories(state: Path) -> None:
+    """What a node keeps to itself, kept in `state`: overlays on /dev, /run and /var/lib, and
+    its own kubelet, containerd and log directories; then everything rshared again, as kubelet's
+    ``mountPropagation: HostToContainer`` needs. The harness's node makes them over the
+    machine's, each node of the fleet over the harness's (fleet.py)."""
+    for path in OVERLAID:
+        _overlay(path, state)
+    for name, target in PRIVATE.items():
+        source = state / "private" / name
+        source.mkdir(parents=True)
+        Path(target).mkdir(parents=True, exist_ok=True)
+        _run("mount", "--bind", str(source), target)
+    _run("mount", "--make-rshared", "/")
 
 
 @attrs.define
@@ -264,7 +272,11 @@ disabled_plugins = [
 # route is the bridge, so they reach the `kubernetes` Service's address on the node
 # (control_plane.py).
 CNI_VERSION = "1.0.0"
-CNI_CONFIG = f"""\
+POD_SUBNET = "10.244.0.0/24"
+
+
+def cni_config(subnet: str) -> str:
+    return f"""\
 {{
   "cniVersion": "{CNI_VERSION}",
   "name": "pcc-e2e",
@@ -274,14 +286,14 @@ CNI_CONFIG = f"""\
       "bridge": "pcc-e2e0",
       "isDefaultGateway": true,
       "ipMasq": false,
-      "ipam": {{"type": "host-local", "ranges": [[{{"subnet": "10.244.0.0/24"}}]]}}
+      "ipam": {{"type": "host-local", "ranges": [[{{"subnet": "{subnet}"}}]]}}
     }}
   ]
 }}
 """
 
 
-def kubelet_config(static_pods: Path, client_ca: Path | None) -> str:
+def kubelet_config(static_pods: Path, client_ca: Path | None, cgroup_root: str = "") -> str:
     """Standalone (no `client_ca`): pods come from files, and anyone on the namespace's loopback
     may use kubelet's API (/pods, /run, /metrics/probes), which the checks read. In a cluster:
     kubelet's API as a cluster has it, for clients with a certificate of the cluster's CA
@@ -316,10 +328,14 @@ containerRuntimeEndpoint: unix://{CONTAINERD_SOCKET}
 # This machine: cgroup v1, no systemd, swap allowed.
 failCgroupV1: false
 cgroupDriver: cgroupfs
-cgroupsPerQOS: false
 enforceNodeAllocatable: []
 failSwapOn: false
-"""
+""" + (
+        # A node of the fleet keeps its pods under a cgroup root of its own, in QoS classes as
+        # kubelet makes them; the harness's node leaves them where containerd puts them.
+        f"cgroupsPerQOS: true\ncgroupRoot: {cgroup_root}\n" if cgroup_root
+        else "cgroupsPerQOS: false\n"
+    )  # fmt: skip
 
 
 @attrs.define
@@ -329,6 +345,10 @@ class Node:
     Standalone without `kubeconfig` (the e2e: static pods, labelled at start); with it, kubelet
     joins the cluster that the kubeconfig names, unlabelled, and accepts clients of `client_ca`.
     Kubelet's output goes through `nursery` (:meth:`Daemon.on_line`).
+
+    The harness's own node runs in the harness's namespaces; a node of the fleet (fleet.py) in
+    namespaces of its own, which `enter` (an ``nsenter`` argv) puts its daemons in, its files
+    seen from here under `root`.
     """
 
     state: Path
@@ -339,6 +359,12 @@ class Node:
     nursery: trio.Nursery
     kubeconfig: Path | None = None
     client_ca: Path | None = None
+    name: str = NODE_NAME
+    ip: str = NODE_IP
+    enter: tuple[str, ...] = ()
+    root: Path = Path("/")
+    pod_subnet: str = POD_SUBNET
+    cgroup_root: str = ""
     containerd: Daemon = attrs.field(init=False)
     kubelet: Daemon = attrs.field(init=False)
     static_pods: Path = attrs.field(init=False)
@@ -354,12 +380,14 @@ class Node:
         path = os.pathsep.join([str(self.containerd_binaries), os.environ.get("PATH", "")])
         self.containerd = Daemon(
             "containerd",
-            [str(self.containerd_binaries / "containerd"), "--config", str(config)],
+            [*self.enter, str(self.containerd_binaries / "containerd"), "--config", str(config)],
             self.logs / "containerd.log",
             env=dict(os.environ, PATH=path),
         )
         kubelet_config_file = self.state / "kubelet.yaml"
-        kubelet_config_file.write_text(kubelet_config(self.static_pods, self.client_ca))
+        kubelet_config_file.write_text(
+            kubelet_config(self.static_pods, self.client_ca, self.cgroup_root)
+        )
         joining = (
             [f"--kubeconfig={self.kubeconfig}"]
             if self.kubeconfig
@@ -368,8 +396,8 @@ class Node:
         self.kubelet = Daemon(
             "kubelet",
             [
-                str(self.kubelet_binary), f"--config={kubelet_config_file}",
-                f"--hostname-override={NODE_NAME}", f"--node-ip={NODE_IP}", *joining, "--v=2",
+                *self.enter, str(self.kubelet_binary), f"--config={kubelet_config_file}",
+                f"--hostname-override={self.name}", f"--node-ip={self.ip}", *joining, "--v=2",
             ],
             self.logs / "kubelet.log",
             nursery=self.nursery,
@@ -380,9 +408,19 @@ class Node:
         config = containerd_config(self.state, sandbox_image, shim, self.runc)
         (self.state / "containerd.toml").write_text(config)
 
+    def see(self, path: Path) -> Path:
+        """A path of the node's, as this process sees it. Below /proc/<pid>/root an absolute
+        symlink leads back to this process's root, so the machine's own ones (/var/run → /run),
+        the same in every node, are followed here first."""
+        if self.root == Path("/"):
+            return path
+        real = Path(os.path.realpath(path.parent)) / path.name
+        return self.root / real.relative_to("/")
+
     def write_cni_config(self) -> None:
         """A bridge for pods off the host network (the cluster's), its gateway on the node."""
-        (self.state / "cni" / "net.d" / "10-pcc-e2e.conflist").write_text(CNI_CONFIG)
+        config = cni_config(self.pod_subnet)
+        (self.state / "cni" / "net.d" / "10-pcc-e2e.conflist").write_text(config)
 
     def put_static_pod(self, namespace: str, name: str, manifest: str) -> None:
         """Into staticPodPath by rename: kubelet never reads a half-written file."""
@@ -409,7 +447,7 @@ class Node:
                 [
                     str(self.containerd_binaries / "ctr"),
                     "--address",
-                    CONTAINERD_SOCKET,
+                    str(self.see(Path(CONTAINERD_SOCKET))),
                     "--namespace",
                     "k8s.io",
                     *args,
