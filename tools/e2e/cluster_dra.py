@@ -315,11 +315,16 @@ class Dra:
 
     # Consumers.
 
-    async def create(self, name: str, claim_template: str | None = None) -> None:
+    async def create(
+        self, name: str, claim_template: str | None = None, node_name: str | None = None
+    ) -> None:
+        """A claim pod (on the node named `node_name`, if given)."""
         pod: Obj = yaml.safe_load(yaml.safe_dump(self.pod_template))
         if claim_template is not None:
             (claim,) = pod["spec"]["resourceClaims"]
             claim["resourceClaimTemplateName"] = claim_template
+        if node_name is not None:
+            pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node_name}
         pod["metadata"]["name"] = name
         pod["metadata"]["namespace"] = CONSUMERS
         pod["metadata"].setdefault("labels", {})["pcc-e2e/role"] = "dra"
