@@ -64,7 +64,6 @@ from manifests_support import (
     plugin_container,
     project_version,
     render,
-    required,
     the,
 )
 from packaging.specifiers import SpecifierSet
@@ -818,12 +817,17 @@ def as_the_container_runs(ds: Obj, writable: Path) -> list[str]:
 
 
 def can_run_as_a_container() -> None:
+    """Root and util-linux: CI has them (it fails without); a developer's `nox -s manifests`
+    as another user skips these with the reason."""
     missing = [tool for tool in ("unshare", "setpriv", "sh") if shutil.which(tool) is None]
     if os.geteuid() != 0 or missing:
-        required(
+        message = (
             "running the daemon as a hardened container runs needs root, unshare and setpriv "
             f"(util-linux); missing: {', '.join(missing) or 'root'}"
         )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 def assert_runs_as_the_container(daemon: Daemon) -> None:
