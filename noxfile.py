@@ -256,8 +256,9 @@ def manifests(session: nox.Session) -> None:
 
     Every kustomization is rendered by `kubectl kustomize` and validated offline against the
     Kubernetes schemas (tests/test_manifests.py states the versions), the NodeFeatureRule
-    against NFD's CRD; hadolint runs on the Containerfile; every locked runtime dependency must
-    have a wheel for each image architecture.
+    against NFD's CRD; each mode's daemon runs under its hardened security context (as root);
+    hadolint runs on the Containerfile; every locked runtime dependency must have a wheel for
+    each image architecture.
     """
     if shutil.which("kubectl") is None:
         session.error(
