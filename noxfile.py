@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -203,23 +205,72 @@ def lock(session: nox.Session) -> None:
 # Shipping: manifests, Containerfile, image.
 
 
+# Node Feature Discovery's Go module, at the version the NodeFeatureRule of
+# manifests/components/node-feature-rule is checked against (v0.20 needs Go 1.27; the machines
+# have 1.26), the module's hash as Go's checksum database has it, and the files the check
+# reads: the CRDs, and the kernel feature source whose feature the rule matches.
+NFD_MODULE = "sigs.k8s.io/node-feature-discovery@v0.19.0"
+NFD_MODULE_SUM = "h1:9CYm16vjSIbNO5Z1Y67rcrfy51YWmy3+6wjiWzJbrC4="
+NFD_FILES = ("deployment/base/nfd-crds/nfd-api-crds.yaml", "source/kernel/kernel.go")
+
+
+def _nfd_files(session: nox.Session) -> Path:
+    """A directory with NFD_FILES at their paths in the module, fetched once with `go mod
+    download` (through GOPROXY, as Go is configured) and kept in .cache/manifests/, as
+    tools/dev.py keeps uv in .cache/dev/."""
+    cached = ROOT / ".cache" / "manifests" / NFD_MODULE.replace("/", "_")
+    if all((cached / name).exists() for name in NFD_FILES):
+        return cached
+    if shutil.which("go") is None:
+        session.error(
+            f"nox -s manifests needs Go once, to fetch {NFD_MODULE} with `go mod download` "
+            "(.ci/run checks for Go; the machines ship it)"
+        )
+    # Outside any module of ours: only the named module is downloaded, and Go checks it.
+    with tempfile.TemporaryDirectory() as scratch:
+        done = subprocess.run(
+            ["go", "mod", "download", "-json", NFD_MODULE],
+            cwd=scratch, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+    try:
+        module = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        module = {"Error": done.stderr.strip() or f"exit code {done.returncode}"}
+    if done.returncode or module.get("Error"):
+        session.error(f"go mod download {NFD_MODULE} failed: {module.get('Error')}")
+    if module.get("Sum") != NFD_MODULE_SUM:
+        session.error(f"{NFD_MODULE} has the hash {module.get('Sum')}, not {NFD_MODULE_SUM}")
+    for name in NFD_FILES:
+        target = cached / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        partial.write_bytes((Path(module["Dir"]) / name).read_bytes())
+        partial.replace(target)
+    session.log(f"{NFD_MODULE}: {', '.join(NFD_FILES)} kept in {cached.relative_to(ROOT)}")
+    return cached
+
+
 @nox.session
 def manifests(session: nox.Session) -> None:
     """Render, validate and check manifests/ and docs/deploy.md; lint the Containerfile.
 
     Every kustomization is rendered by `kubectl kustomize` and validated offline against the
-    Kubernetes schemas (tests/test_manifests.py states the versions); hadolint runs on the
-    Containerfile; every locked runtime dependency must have a wheel for each image architecture.
+    Kubernetes schemas (tests/test_manifests.py states the versions), the NodeFeatureRule
+    against NFD's CRD; each mode's daemon runs under its hardened security context (as root);
+    hadolint runs on the Containerfile; every locked runtime dependency must have a wheel for
+    each image architecture.
     """
     if shutil.which("kubectl") is None:
         session.error(
             "nox -s manifests needs kubectl (Debian package kubectl; .ci/run installs it)"
         )
     install_dev(session)
+    nfd = _nfd_files(session)
     session.run("kubectl", "version", "--client", external=True)
     session.run(
-        "pytest", "tests/test_manifests.py", *session.posargs, env={"PCC_REQUIRE_KUBECTL": "1"}
-    )
+        "pytest", "tests/test_manifests.py", *session.posargs,
+        env={"PCC_REQUIRE_KUBECTL": "1", "PCC_NFD_MODULE": str(nfd)},
+    )  # fmt: skip
     session.run("hadolint", "Containerfile")
     # The same exceptions to "wheels only" as the Containerfile's pip install makes.
     from_source = re.findall(r"--no-binary=(\S+)", (ROOT / "Containerfile").read_text())

@@ -3,18 +3,20 @@
 Every kustomization under manifests/ is rendered with ``kubectl kustomize`` (the kustomize built
 into kubectl, as operators run it). Without kubectl the tests that need it are skipped with the
 reason, except under CI (``CI`` set) or ``nox -s manifests`` (``PCC_REQUIRE_KUBECTL=1``), where
-a missing kubectl fails them: the checks must really run there.
+a missing kubectl fails them: the checks must really run there. The same holds for NFD's CRDs,
+which ``nox -s manifests`` fetches with a file of NFD's source and names in ``PCC_NFD_MODULE``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import yaml
@@ -25,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
 
 # Offline schema validation (kubernetes-validate, strict: unknown fields are errors) covers
-# every Kubernetes minor version in this range; docs/deploy.md states the same range.
-OLDEST_KUBERNETES = (1, 25)
+# every Kubernetes minor version in this range: upstream's supported releases (1.35 to 1.37 on
+# 2026-12-07), the range docs/deploy.md claims.
+OLDEST_KUBERNETES = (1, 35)
 NEWEST_KUBERNETES = (1, 37)
 KUBERNETES_VERSIONS = tuple(
     f"{OLDEST_KUBERNETES[0]}.{minor}.0"
@@ -97,12 +100,82 @@ PODMONITOR_SCHEMA: Obj = {
 CUSTOM_RESOURCES: dict[tuple[str, str], Obj] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): PODMONITOR_SCHEMA,
 }
+# Node Feature Discovery's rule (manifests/components/node-feature-rule) is validated against
+# the whole schema of NFD's own CRD instead, at the version noxfile.py pins.
+NODE_FEATURE_RULE = ("nfd.k8s-sigs.io/v1alpha1", "NodeFeatureRule")
+
+
+def required(message: str) -> NoReturn:
+    """Skip the test with `message`, or fail it where the checks must run (CI, nox)."""
+    if os.environ.get("CI") or os.environ.get("PCC_REQUIRE_KUBECTL"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def strict(schema: Obj) -> Obj:
+    """A CRD's structural schema as the API server applies it to a request that kubectl sends
+    with --validate=strict (its default): a field that an object's `properties` do not list is
+    an error, unless the object keeps unknown fields."""
+    schema = copy.deepcopy(schema)
+
+    def visit(node: object) -> None:
+        if isinstance(node, dict):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
+                node["additionalProperties"] = False
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(schema)
+    return schema
+
+
+# What of Node Feature Discovery's Go module the checks read (noxfile.py pins the module).
+NFD_CRDS = "deployment/base/nfd-crds/nfd-api-crds.yaml"
+NFD_KERNEL_SOURCE = "source/kernel/kernel.go"
+
+
+@functools.cache
+def crd_schema(path: Path, api_version: str, kind: str) -> Obj:
+    """The strict openAPIV3Schema of `kind` at `api_version` among the CRDs in `path`, for
+    JSON Schema draft 4, which OpenAPI 3.0's schema objects follow."""
+    group, _, version = api_version.partition("/")
+    for crd in yaml.safe_load_all(path.read_text()):
+        if not crd or crd["spec"]["group"] != group or crd["spec"]["names"]["kind"] != kind:
+            continue
+        for served in crd["spec"]["versions"]:
+            if served["name"] == version and served["served"]:
+                schema: Obj = served["schema"]["openAPIV3Schema"]
+                return {"$schema": "http://json-schema.org/draft-04/schema#", **strict(schema)}
+    raise AssertionError(f"{path} defines no served {kind} {api_version}")
+
+
+def nfd_file(name: str) -> Path:
+    """A file of NFD's Go module, as `nox -s manifests` fetched it (PCC_NFD_MODULE)."""
+    directory = os.environ.get("PCC_NFD_MODULE")
+    if not directory:
+        required("NFD's CRD and source are fetched by `nox -s manifests` (PCC_NFD_MODULE)")
+    return Path(directory) / name
 
 
 def custom_resource_schema(obj: Obj) -> Obj | None:
-    """The schema of a kind listed above; None for every other kind, which kubernetes-validate
-    checks (and fails when it does not know the kind)."""
-    return CUSTOM_RESOURCES.get((obj["apiVersion"], obj["kind"]))
+    """The schema of a kind listed above or of the NodeFeatureRule (NFD's CRD); None for every
+    other kind, which kubernetes-validate checks (and fails when it does not know the kind)."""
+    key = (obj["apiVersion"], obj["kind"])
+    if key == NODE_FEATURE_RULE:
+        return crd_schema(nfd_file(NFD_CRDS), *key)
+    return CUSTOM_RESOURCES.get(key)
+
+
+def is_custom_resource(obj: Obj) -> bool:
+    """Not in the Kubernetes API: validated by custom_resource_schema, not kubernetes-validate."""
+    return (obj["apiVersion"], obj["kind"]) in {*CUSTOM_RESOURCES, NODE_FEATURE_RULE}
 
 
 def project_version() -> str:
@@ -135,13 +208,10 @@ def kubectl() -> str:
     found = shutil.which("kubectl")
     if found:
         return found
-    message = (
+    required(
         "kubectl is not installed: the manifest checks render with `kubectl kustomize` "
         "(Debian package kubectl; .ci/run installs it)"
     )
-    if os.environ.get("CI") or os.environ.get("PCC_REQUIRE_KUBECTL"):
-        pytest.fail(message)
-    pytest.skip(message)
 
 
 @functools.cache

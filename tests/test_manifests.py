@@ -3,26 +3,36 @@
 The manifests are checked as ``kubectl kustomize`` renders them, so that an edit to a base, an
 overlay or a patch cannot silently drop the node selector, the mounts, the requests or the
 hardened settings. Every rendered object is validated offline against the Kubernetes schemas of
-each minor version from OLDEST_KUBERNETES to NEWEST_KUBERNETES; the one kind outside the Kubernetes
-API (the Prometheus Operator's PodMonitor) is validated against the fields of its CRD instead
-(manifests_support.CUSTOM_RESOURCES). ``nox -s manifests`` runs this file (and hadolint); without
-kubectl these tests skip, except under CI where they fail.
+each minor version from OLDEST_KUBERNETES to NEWEST_KUBERNETES; the kinds outside the Kubernetes
+API are validated against their CRDs instead: the Prometheus Operator's PodMonitor against the
+fields of its CRD it uses (manifests_support.CUSTOM_RESOURCES), Node Feature Discovery's
+NodeFeatureRule against the whole schema of NFD's own CRD, which ``nox -s manifests`` fetches.
+The hardened deployments' security contexts are applied to the daemon itself, in either mode.
+``nox -s manifests`` runs this file (and hadolint); without kubectl (or NFD's CRD, or root for
+the security contexts) these tests skip, except under CI where they fail.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
+import math
 import os
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 import tomllib
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 import attrs
 import pytest
+import trio
 import yaml
+from daemon_support import log_line
+from dra_support import SHARES, DraNode, published, registered
 from manifests_support import (
     CDI_SPEC_DIR,
     DEFAULT_IMAGE,
@@ -33,6 +43,7 @@ from manifests_support import (
     NAME,
     NAMESPACE,
     NEWEST_KUBERNETES,
+    NFD_KERNEL_SOURCE,
     NODE_LABEL,
     OLDEST_KUBERNETES,
     PCC_DIR,
@@ -45,9 +56,11 @@ from manifests_support import (
     daemonsets,
     flag,
     host_mounts,
+    is_custom_resource,
     kubectl,
     kustomizations,
     mount_showing,
+    nfd_file,
     plugin_container,
     project_version,
     render,
@@ -63,6 +76,7 @@ from pcc_plugin.flags import DEFAULT_DRIVER_NAME as DRIVER_NAME
 from pcc_plugin.flags import parse
 from pcc_plugin.profiles import load
 from pcc_plugin.resource import ResourceSpec
+from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 
 # Every kustomization, by what it deploys. A new one must be added here, so that the invariants
 # below apply to it.
@@ -72,6 +86,7 @@ PRIVILEGED = [
     "manifests/overlays/no-surge",
     "manifests/overlays/profiles",
     "manifests/overlays/cdi",
+    "manifests/overlays/node-feature-rule",
 ]
 HARDENED = [
     "manifests/overlays/hardened",
@@ -88,34 +103,39 @@ NO_SURGE = ["manifests/overlays/no-surge"]
 PROFILES = ["manifests/overlays/profiles"]
 CDI = ["manifests/overlays/cdi", "manifests/examples/hardened-cdi-podmonitor"]
 PODMONITOR = ["manifests/examples/hardened-cdi-podmonitor"]
+NODE_FEATURE_RULES = ["manifests/overlays/node-feature-rule"]
 # The deployment each of these builds on: they add their features to it and change nothing else.
 BUILT_ON = {
     "manifests/overlays/no-surge": "manifests/base",
     "manifests/overlays/profiles": "manifests/base",
     "manifests/overlays/cdi": "manifests/base",
+    "manifests/overlays/node-feature-rule": "manifests/base",
     "manifests/examples/hardened-cdi-podmonitor": "manifests/overlays/hardened",
 }
 APPS = ["manifests/examples/confidential-app"]
-# The DRA mode (docs/dra.md): the base's DaemonSet with --mode=dra, and a workload with a claim.
-DRA = ["manifests/overlays/dra"]
+# The DRA mode (docs/dra.md): the base's DaemonSet with --mode=dra, privileged or hardened (the
+# hardened overlay's security context: manifests/components/hardened), and a workload with a
+# claim.
+DRA = ["manifests/overlays/dra", "manifests/overlays/dra-hardened"]
+DRA_HARDENED = ["manifests/overlays/dra-hardened"]
 DRA_APPS = ["manifests/examples/dra-app"]
 # Every deployment of the daemon, in either mode.
 DAEMONS = PLUGIN + DRA
-# resource.k8s.io/v1 (DeviceClass, ResourceClaimTemplate) is served from Kubernetes 1.34 on.
-OLDEST_DRA_KUBERNETES = (1, 34)
 
 CONTAINERFILE = ROOT / "Containerfile"
 DOCS = ROOT / "docs" / "deploy.md"
 LABELS = ("name", "component", "part-of", "version", "managed-by")
-# Surge by default (issue 26: a gap between the old and the new pod refuses pods); the way back
-# for clusters that cannot run two plugin pods on a node is manifests/components/no-surge.
+# Surge by default (issue 26: a gap between the old and the new pod refuses pods), on half the
+# nodes at once (issue 47: a fleet's rollout in minutes; a release that never becomes ready
+# harms no node); the way back for clusters that cannot run two plugin pods on a node is
+# manifests/components/no-surge, a tenth of the nodes at once. docs/deploy.md has the arithmetic.
 BASE_UPDATE_STRATEGY = {
     "type": "RollingUpdate",
-    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    "rollingUpdate": {"maxSurge": "50%", "maxUnavailable": 0},
 }
 NO_SURGE_UPDATE_STRATEGY = {
     "type": "RollingUpdate",
-    "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "10%"},
 }
 # What the components add: volume names, and the shipped profile (manifests/overlays/profiles).
 CDI_VOLUME = "cdi-specs"
@@ -174,11 +194,9 @@ def test_renders(directory: str) -> None:
 def test_validates_against_kubernetes_schemas(directory: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     failures = []
-    oldest = OLDEST_DRA_KUBERNETES if directory in DRA + DRA_APPS else OLDEST_KUBERNETES
-    versions = [v for v in KUBERNETES_VERSIONS if tuple(map(int, v.split(".")[:2])) >= oldest]
-    for version in versions:
+    for version in KUBERNETES_VERSIONS:
         for obj in render(directory):
-            if custom_resource_schema(obj) is not None:
+            if is_custom_resource(obj):
                 continue  # not in the Kubernetes API: test_custom_resources_validate_against_crd
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
@@ -190,15 +208,20 @@ def test_validates_against_kubernetes_schemas(directory: str) -> None:
 
 @pytest.mark.parametrize("directory", PLUGIN + APPS + DRA + DRA_APPS)
 def test_custom_resources_validate_against_crd(directory: str) -> None:
-    """Kinds outside the Kubernetes API, each against the fields of its CRD that are used."""
+    """Kinds outside the Kubernetes API, each against its CRD's schema (the PodMonitor: the
+    fields of its CRD that are used)."""
     jsonschema = pytest.importorskip("jsonschema")
     custom = []
     for obj in render(directory):
-        schema = custom_resource_schema(obj)
-        if schema is not None:
+        if is_custom_resource(obj):
+            schema = custom_resource_schema(obj)
+            assert schema is not None
             jsonschema.validate(obj, schema)
             custom.append(obj["kind"])
-    assert custom == (["PodMonitor"] if directory in PODMONITOR else [])
+    expected = ["PodMonitor"] * (directory in PODMONITOR) + ["NodeFeatureRule"] * (
+        directory in NODE_FEATURE_RULES
+    )
+    assert sorted(custom) == sorted(expected)
 
 
 def test_every_component_is_used() -> None:
@@ -225,9 +248,14 @@ def test_objects_and_no_api_access(directory: str) -> None:
         expected.append(("ConfigMap", configmap["metadata"]["name"]))
     if directory in PODMONITOR:
         expected.append(("PodMonitor", NAME))
+    if directory in NODE_FEATURE_RULES:
+        expected.append(("NodeFeatureRule", NAME))
     assert sorted((obj["kind"], obj["metadata"]["name"]) for obj in objects) == sorted(expected)
     for obj in objects:
-        assert obj["metadata"]["namespace"] == NAMESPACE
+        if obj["kind"] == "NodeFeatureRule":
+            assert "namespace" not in obj["metadata"], "cluster-scoped"
+        else:
+            assert obj["metadata"]["namespace"] == NAMESPACE
     account = the(objects, "ServiceAccount", NAME)
     assert account["automountServiceAccountToken"] is False
     spec = pod_spec(directory)
@@ -255,6 +283,10 @@ def test_update_strategy(directory: str) -> None:
         assert strategy == NO_SURGE_UPDATE_STRATEGY
     else:
         assert strategy == BASE_UPDATE_STRATEGY
+    # The API server takes an int or a percentage: a string "0" (what a strategic merge of 0
+    # over "50%" renders) is refused, and kubernetes-validate's schemas do not say so.
+    for value in strategy["rollingUpdate"].values():
+        assert isinstance(value, int) or re.fullmatch(r"[1-9][0-9]?%|100%", value), value
 
 
 def test_base_starts_the_new_pod_before_it_stops_the_old_one() -> None:
@@ -463,6 +495,75 @@ def test_podmonitor_scrapes_the_plugin_pods(directory: str) -> None:
     ]
 
 
+# Placement by Node Feature Discovery (manifests/components/node-feature-rule)
+
+
+def node_feature_rule() -> Obj:
+    (directory,) = NODE_FEATURE_RULES
+    return the(render(directory), "NodeFeatureRule", NAME)
+
+
+@pytest.mark.parametrize("directory", NODE_FEATURE_RULES)
+def test_the_node_feature_rule_labels_the_nodes_the_daemonset_selects(directory: str) -> None:
+    """NFD sets the DaemonSet's own node label where the kernel has loaded sev_guest, which
+    loads only on an SEV-SNP guest (nodefeaturerule.yaml says why), and does nothing else."""
+    (rule,) = the(render(directory), "NodeFeatureRule", NAME)["spec"]["rules"]
+    assert rule["labels"] == pod_spec(directory)["nodeSelector"] == {NODE_LABEL: "true"}
+    # /proc/modules names a module with underscores: sev-guest.ko is sev_guest there.
+    assert rule["matchFeatures"] == [
+        {"feature": "kernel.loadedmodule", "matchExpressions": {"sev_guest": {"op": "Exists"}}}
+    ]
+    assert set(rule) == {"name", "labels", "matchFeatures"}, "no taints, annotations, matchAny"
+    # nfd-master refuses labels in kubernetes.io and its subdomains, but for its own.
+    namespace = NODE_LABEL.partition("/")[0]
+    assert namespace != "kubernetes.io"
+    assert not namespace.endswith(".kubernetes.io")
+
+
+def test_the_node_feature_rule_matches_a_feature_nfd_publishes() -> None:
+    """A feature NFD does not publish matches nothing, silently (the CRD does not list
+    features): the rule's is the flag set of loaded modules in NFD's own kernel source, at the
+    version the CRD comes from."""
+    source = nfd_file(NFD_KERNEL_SOURCE).read_text()
+    (domain,) = re.findall(r'^const Name = "(\w+)"', source, re.M)
+    (feature,) = re.findall(r'^\s*LoadedModuleFeature\s*= "(\w+)"', source, re.M)
+    assert re.search(r"Flags\[LoadedModuleFeature\] = \w+\.NewFlagFeatures\(kmods\.\.\.\)", source)
+    assert "getLoadedModules()" in source
+    (rule,) = node_feature_rule()["spec"]["rules"]
+    assert [term["feature"] for term in rule["matchFeatures"]] == [f"{domain}.{feature}"]
+
+
+def misspelled_key(rule: Obj) -> None:
+    rule["spec"]["rules"][0]["matchFeature"] = rule["spec"]["rules"][0].pop("matchFeatures")
+
+
+def unknown_operator(rule: Obj) -> None:
+    rule["spec"]["rules"][0]["matchFeatures"][0]["matchExpressions"]["sev_guest"]["op"] = "Exist"
+
+
+def unquoted_label_value(rule: Obj) -> None:
+    rule["spec"]["rules"][0]["labels"][NODE_LABEL] = True
+
+
+def no_rule_name(rule: Obj) -> None:
+    del rule["spec"]["rules"][0]["name"]
+
+
+@pytest.mark.parametrize(
+    "mistake", [misspelled_key, unknown_operator, unquoted_label_value, no_rule_name]
+)
+def test_the_crd_check_refuses_a_broken_node_feature_rule(mistake: Callable[[Obj], None]) -> None:
+    """What the API server would refuse of the rule, the check refuses too."""
+    jsonschema = pytest.importorskip("jsonschema")
+    rule = node_feature_rule()
+    schema = custom_resource_schema(rule)
+    assert schema is not None
+    jsonschema.validate(rule, schema)
+    mistake(rule)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(rule, schema)
+
+
 # Optional features: no-surge (above), profiles, CDI; and nothing else changes
 
 
@@ -626,13 +727,13 @@ def test_features_change_nothing_else(directory: str) -> None:
     assert account == the(render(BUILT_ON[directory]), "ServiceAccount", NAME)
 
 
-@pytest.mark.parametrize("directory", PRIVILEGED)
+@pytest.mark.parametrize("directory", [*PRIVILEGED, "manifests/overlays/dra"])
 def test_privileged_as_the_product_documents(directory: str) -> None:
     container = plugin_container(daemonset(directory))
     assert container["securityContext"] == {"privileged": True}
 
 
-@pytest.mark.parametrize("directory", HARDENED)
+@pytest.mark.parametrize("directory", HARDENED + DRA_HARDENED)
 def test_hardened(directory: str) -> None:
     context = plugin_container(daemonset(directory))["securityContext"]
     assert context == {
@@ -658,10 +759,16 @@ def without_security(ds: Obj) -> Obj:
     return ds
 
 
-def test_hardened_changes_nothing_but_the_security_context() -> None:
-    assert without_security(daemonset("manifests/overlays/hardened")) == without_security(
-        daemonset("manifests/base")
-    )
+@pytest.mark.parametrize(
+    ("directory", "built_on"),
+    [("manifests/overlays/hardened", "manifests/base"),
+     ("manifests/overlays/dra-hardened", "manifests/overlays/dra")],
+)  # fmt: skip
+def test_hardened_changes_nothing_but_the_security_context(directory: str, built_on: str) -> None:
+    assert without_security(daemonset(directory)) == without_security(daemonset(built_on))
+    assert [o for o in render(directory) if o["kind"] != "DaemonSet"] == [
+        o for o in render(built_on) if o["kind"] != "DaemonSet"
+    ]
 
 
 def test_pcc_dir_only_changes_nothing_but_that_mount() -> None:
@@ -685,6 +792,124 @@ def test_pcc_dir_only_changes_nothing_but_that_mount() -> None:
         PCC_DIR,
         PLUGIN_DIR,
     }
+
+
+# The hardened security context, applied to the daemon itself
+
+
+def as_the_container_runs(ds: Obj, writable: Path) -> list[str]:
+    """A command prefix that starts a process as a runtime starts the container of `ds`, as
+    far as a mount namespace and setpriv can: its user and group, no capability in any set
+    (the manifests add none), no_new_privs, and a read-only root but for `writable` (where the
+    pod's hostPath volumes would be). Seccomp and SELinux are the runtime's and the node's: the
+    cluster check applies those."""
+    context = plugin_container(ds)["securityContext"]
+    assert context["privileged"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}, "a capability the tests do not apply"
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["readOnlyRootFilesystem"] is True
+    mounts = 'mount --bind "$0" "$0" && mount -o remount,bind,ro / && exec "$@"'
+    return [
+        "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", mounts, str(writable),
+        "setpriv", f"--reuid={context['runAsUser']}", f"--regid={context['runAsGroup']}",
+        "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
+    ]  # fmt: skip
+
+
+def can_run_as_a_container() -> None:
+    """Root and util-linux: CI has them (it fails without); a developer's `nox -s manifests`
+    as another user skips these with the reason."""
+    missing = [tool for tool in ("unshare", "setpriv", "sh") if shutil.which(tool) is None]
+    if os.geteuid() != 0 or missing:
+        message = (
+            "running the daemon as a hardened container runs needs root, unshare and setpriv "
+            f"(util-linux); missing: {', '.join(missing) or 'root'}"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def assert_runs_as_the_container(daemon: Daemon) -> None:
+    status = Path(f"/proc/{daemon.pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines())
+    assert fields["Uid"].split() == ["0"] * 4
+    for capabilities in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[capabilities], 16) == 0, capabilities
+    assert fields["NoNewPrivs"].strip() == "1"
+    # Its root, seen through its own mount namespace: the interpreter's tree is read-only.
+    with pytest.raises(OSError, match="Read-only file system") as written:
+        Path(f"/proc/{daemon.pid}/root{sys.prefix}/written-by-a-test").touch()
+    assert written.value.errno == errno.EROFS
+
+
+async def test_the_hardened_device_plugin_needs_no_more_than_its_security_context(
+    fake_node: FakeNode, kubelet: SimKubelet, start_daemon: StartDaemon
+) -> None:
+    """manifests/overlays/hardened: it registers, allocates and removes its socket at SIGTERM
+    with no capability on a read-only root (kubelet's directory root's, 0750, as kubelet
+    makes it)."""
+    can_run_as_a_container()
+    with trio.fail_after(60):
+        ds = await run_blocking(daemonset, "manifests/overlays/hardened")
+        fake_node.plugin_dir.chmod(0o750)
+        wrapper = as_the_container_runs(ds, fake_node.root)
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1), wrapper=wrapper)
+        await log_line(daemon, "Registered device plugin with Kubelet")
+        assert_runs_as_the_container(daemon)
+        response = await run_blocking(kubelet.allocate, RESOURCE, [["pcc-3"]])
+        (container,) = response.container_responses
+        assert [device.host_path for device in container.devices] == [DEVICE]
+        assert await run_blocking(daemon.terminate) == 0
+        assert not list(fake_node.plugin_dir.glob("pcc-*.sock"))
+
+
+async def test_the_hardened_daemon_has_no_capability_that_bypasses_permissions(
+    fake_node: FakeNode, start_daemon: StartDaemon
+) -> None:
+    """The check above is not hollow: as the container runs, UID 0 cannot write into a
+    directory of another owner (which CAP_DAC_OVERRIDE would allow)."""
+    can_run_as_a_container()
+    with trio.fail_after(30):
+        ds = await run_blocking(daemonset, "manifests/overlays/hardened")
+        fake_node.plugin_dir.mkdir(mode=0o750)
+        os.chown(fake_node.plugin_dir, 65534, 65534)
+        wrapper = as_the_container_runs(ds, fake_node.root)
+        daemon = start_daemon(*fake_node.daemon_args(verbosity=1), wrapper=wrapper)
+        await log_line(daemon, re.compile(r"cannot serve in \S+: \[Errno 13\] Permission denied"))
+        assert_runs_as_the_container(daemon)
+
+
+async def test_the_hardened_dra_driver_needs_no_more_than_its_security_context(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """manifests/overlays/dra-hardened: it registers, publishes, prepares a claim (its CDI
+    spec, its checkpoint and lock) and unprepares it, and removes its sockets at SIGTERM, with
+    no capability on a read-only root (kubelet's directories root's, 0750, as kubelet makes
+    them)."""
+    can_run_as_a_container()
+    dra = dra_node
+    with trio.fail_after(60):
+        ds = await run_blocking(daemonset, "manifests/overlays/dra-hardened")
+        for directory in (dra.registry, dra.plugins):
+            directory.chmod(0o750)
+        wrapper = as_the_container_runs(ds, dra.node.root)
+        daemon = start_daemon(*dra.daemon_args(), wrapper=wrapper)
+        await registered(dra)
+        await published(dra, SHARES)
+        assert_runs_as_the_container(daemon)
+        dra.claim("app", "uid-1")
+        claim = [("default", "app", "uid-1")]
+        prepared = await run_blocking(dra.kubelet.prepare, DRIVER_NAME, claim)
+        assert prepared.claims["uid-1"].error == ""
+        assert (dra.cdi / f"{DRIVER_NAME}-claim_uid-1.json").exists()
+        assert list(dra.checkpoint()) == ["uid-1"]
+        unprepared = await run_blocking(dra.kubelet.unprepare, DRIVER_NAME, claim)
+        assert unprepared.claims["uid-1"].error == ""
+        assert dra.checkpoint() == {}
+        assert await run_blocking(daemon.terminate) == 0
+        assert not list(dra.registry.glob("*.sock"))
+        assert not list(dra.state.glob("*.sock"))
 
 
 # The DRA mode
@@ -725,7 +950,8 @@ def test_dra_daemonset_is_the_base_with_the_dra_mode(directory: str) -> None:
     """The same DaemonSet as the device plugin's (so applying one replaces the other, node by
     node: never both modes on a node), with --mode=dra, its env, mounts and token."""
     ds = daemonset(directory)
-    assert as_device_plugin(ds) == daemonset("manifests/base")
+    device_plugin = "manifests/overlays/hardened" if directory in DRA_HARDENED else "manifests/base"
+    assert as_device_plugin(ds) == daemonset(device_plugin)
     container = plugin_container(ds)
     assert container["args"][-3:] == DRA_ARGS
     assert container["env"] == [
@@ -1181,6 +1407,43 @@ def test_docs_state_the_validated_kubernetes_range() -> None:
     oldest = ".".join(map(str, OLDEST_KUBERNETES))
     newest = ".".join(map(str, NEWEST_KUBERNETES))
     assert f"Kubernetes {oldest} to {newest}" in docs_text()
+
+
+# The fleet docs/deploy.md works out, and kube-controller-manager's default client limit
+# (--kube-api-qps, v1.37.2), which paces the DaemonSet controller's pod creations and deletions.
+FLEET = 5000
+CONTROLLER_QPS = 20
+
+
+def scaled(value: int | str, nodes: int) -> int:
+    """A maxSurge or maxUnavailable for `nodes` nodes, as the DaemonSet controller rounds it."""
+    if isinstance(value, int):
+        return value
+    return math.ceil(int(value.removesuffix("%")) * nodes / 100)
+
+
+def test_docs_work_out_the_fleet_from_the_manifests() -> None:
+    """docs/deploy.md's arithmetic for a 5,000-node pool follows the shipped strategies."""
+    text = " ".join(docs_text().split())
+    surge = daemonset("manifests/base")["spec"]["updateStrategy"]["rollingUpdate"]
+    no_surge = daemonset("manifests/overlays/no-surge")["spec"]["updateStrategy"]["rollingUpdate"]
+    assert (
+        f"`maxSurge: {surge['maxSurge']}` and `maxUnavailable: {surge['maxUnavailable']}`" in text
+    )
+    assert f"`maxUnavailable: {no_surge['maxUnavailable']}`" in text
+    assert f"(rounded up: {scaled(surge['maxSurge'], 3)} of 3)" in text
+    nodes_a_second = CONTROLLER_QPS // 2  # a creation and a deletion each
+    assert f"at most {nodes_a_second} nodes a second" in text
+    assert f"takes {2 * FLEET:,} requests: {2 * FLEET // CONTROLLER_QPS} s at the least" in text
+    in_flight = scaled(surge["maxSurge"], FLEET)
+    assert f"new pods on {in_flight:,} of the {FLEET:,} nodes" in text
+    assert f"more than {in_flight // nodes_a_second} s from creation to ready" in text
+    gapped = scaled(no_surge["maxUnavailable"], FLEET)
+    assert f"{gapped:,} of the {FLEET:,} nodes update at once" in text
+    assert f"while a gap lasts less than {gapped // nodes_a_second} s" in text
+    assert (
+        f"one at a time in a pool of up to {100 // int(no_surge['maxUnavailable'][:-1])})" in text
+    )
 
 
 def test_docs_troubleshooting_names_the_real_log_lines() -> None:
