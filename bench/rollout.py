@@ -98,7 +98,7 @@ def rollouts(bench: Bench, rounds: int) -> None:
     report = bench.report
     report.section(f"rolling update, two instances: allocatable's dip, {rounds} rounds each")
     kinds: tuple[tuple[KeyBy, str], ...] = (
-        ("resource", "kubelet < 1.35"), ("endpoint", "kubelet >= 1.35"),
+        ("resource", "kubelet < 1.37"), ("endpoint", "kubelet >= 1.37"),
     )  # fmt: skip
     for key_by, kind in kinds:
         for stop_newest, what in ((False, "old instance stopped (the update)"),

@@ -1,6 +1,6 @@
 """Two instances of one resource at once, as in a rolling update with maxSurge.
 
-Kubelets before 1.35 keep one client per resource name: the instance that
+Kubelets before 1.37 keep one client per resource name: the instance that
 registered last replaces the one before, and when the newest one's stream
 ends, kubelet marks the resource unhealthy without a word to the older
 instance, whose stream stays open and silent. So each instance follows every

@@ -12,8 +12,8 @@
 
         @pytest.mark.parametrize("kubelet", ["current", "resource-keyed"], indirect=True)
 
-    Kinds: ``"current"`` (clients kept per endpoint, kubelet 1.35 on) and ``"resource-keyed"``
-    (clients kept per resource name, kubelets 1.25 to 1.34).
+    Kinds: ``"current"`` (clients kept per endpoint, kubelet 1.37 on) and ``"resource-keyed"``
+    (clients kept per resource name, kubelets before 1.37: 1.35 and 1.36 are still supported).
 
 ``any_kubelet``
     The same fixture parametrised over every kind: for behaviour that must hold against all

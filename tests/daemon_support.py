@@ -79,7 +79,7 @@ DROPPED = re.compile(r"disconnecting (\S+), .*because an older stream")
 
 def dropped_by_kubelet(kubelet: SimKubelet, endpoint: str) -> int:
     """How many registrations of the daemon that served `endpoint` kubelet dropped because an
-    older stream of their resource ended (kubelets before 1.35)."""
+    older stream of their resource ended (kubelets before 1.37)."""
     dropped = (DROPPED.match(event) for event in kubelet.events)
     return sum(1 for match in dropped if match and instance(match[1]) == instance(endpoint))
 
@@ -88,7 +88,7 @@ async def settled(kubelet: SimKubelet, resource: str = RESOURCE) -> str:
     """Wait until kubelet has seen the stream of every registration of `resource` but the
     newest end, and the newest serves its full list; return its endpoint.
 
-    Kubelets before 1.35 drop the newest registration when an older stream ends, however late
+    Kubelets before 1.37 drop the newest registration when an older stream ends, however late
     they see it end: until they have seen every older one end, a registration that serves
     now can still be dropped, and the plugin registers once more.
     """

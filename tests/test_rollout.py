@@ -59,7 +59,7 @@ async def test_the_older_instance_serves_again_when_the_newest_goes(
             assert await run_blocking(newest.terminate, signal.SIGTERM, WAIT) == 0
         await log_line(older, "the instance that registered after this one is gone")
         # Kubelet sees the newest instance's stream end in its own time. One that keys its
-        # client by resource (before 1.35) and sees it after the older instance registered
+        # client by resource (before 1.37) and sees it after the older instance registered
         # again disconnects that registration too; the older one then registers once more.
         # (It may also disconnect the gone instance that way, when the older instance's
         # stream of its first registration ends first: that asks for nothing.)

@@ -256,7 +256,7 @@ def main() -> None:
         "--key-by",
         choices=["endpoint", "resource"],
         default="endpoint",
-        help="keep plugin clients per endpoint (kubelet 1.35+) or per resource (older ones)",
+        help="keep plugin clients per endpoint (kubelet 1.37+) or per resource (older ones)",
     )
     one = commands.add_parser("allocate", help="Allocate devices from the plugin, as kubelet")
     one.add_argument("--dir", required=True, type=Path, help="device-plugin directory")

@@ -69,7 +69,7 @@ _Response = TypeVar("_Response")
 class SimKubelet(Simulator):
     """Serves ``<plugin_dir>/kubelet.sock`` and talks to the plugins that register there.
 
-    ``key_by``: ``"endpoint"`` (kubelet 1.35 and later) keeps a client per socket: an older
+    ``key_by``: ``"endpoint"`` (kubelet 1.37 and later) keeps a client per socket: an older
     registration's stream of a resource may end without touching the newer one, and when the
     newest one's ends, a remaining endpoint takes over and nothing is marked unhealthy.
     ``"resource"`` (older kubelets) keeps one client per resource: it disconnects the newest
@@ -512,7 +512,7 @@ class SimKubelet(Simulator):
                 if other.resource == client.resource and other.connected and other.streaming
             ]
             if self.key_by == "endpoint" and newest is client and remaining:
-                # Kubelet 1.35+: another endpoint of the resource is still there; it takes
+                # Kubelet 1.37+: another endpoint of the resource is still there; it takes
                 # over with its own latest list, and nothing is marked unhealthy.
                 promoted = remaining[-1]
                 state.active = promoted
