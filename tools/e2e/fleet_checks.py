@@ -90,6 +90,12 @@ ROLLBACK_TAG = "0.1.0"
 REWRITE_WATCH = WRITE_EVERY + 10
 DRA_OVERLAY = "overlays/dra-hardened"
 SAMPLE_EVERY = 0.05
+# The first kubelet minor that keeps a device plugin client per socket (kubernetes#135437).
+PER_SOCKET_KUBELET = 37
+# Check 10.6: how long an older kubelet may be at 0 allocatable after it dropped the new plugin
+# with the old one's stream: the plugin's registering again takes milliseconds, kubelet's dial
+# and first list some tens more.
+RESOURCE_KEYED_GAP = 1.0
 METRICS_PORT = 8080
 # klog's header: severity, month and day, time (the container's clock, UTC).
 KLOG_TIME = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
@@ -308,8 +314,14 @@ class FleetCheck:
         )
 
     def kubelet_version(self, node: Node) -> str:
-        found = self.node_object(node)
+        return self.kubelet_version_of(node.name)
+
+    def kubelet_version_of(self, name: str) -> str:
+        found = self.cluster.nodes.current.get(f"/{name}")
         return "?" if found is None else str(found["status"]["nodeInfo"]["kubeletVersion"])
+
+    def kubelet_minor(self, node: Node) -> int:
+        return int(self.kubelet_version(node).split(".")[1])
 
     # 10.2
 
@@ -397,10 +409,10 @@ class FleetCheck:
         report.variant = "10.3 boot race"
         before = self.plugin_on(self.d)
         assert before is not None
+        pending_name = self.unscheduled(self.consumers())[0]["metadata"]["name"]
         made = time.time()
         self.d.see(PCC_DIR).mkdir(mode=0o755)
         seconds = await self.registered_after(before, made, "PCC directory created")
-        pending_name = self.unscheduled(self.consumers())[0]["metadata"]["name"]
 
         def served() -> bool:
             pod = self.cluster.pods.current.get(f"{CONSUMERS}/{pending_name}")
@@ -574,6 +586,9 @@ class FleetCheck:
         await self.cluster.kubectl("uncordon", self.d.name)
         await self.scale(12)
         await self.until("12 consumers", lambda: len(self.consumers()) == 12)
+        # As an operator waits for `kubectl rollout status`: a node whose plugin is not ready
+        # (A's, for a while after its kubelet came back) is replaced at once, without a surge.
+        await self.until("every plugin ready", lambda: self.rolled_out(None))
         old = {node.name: self.plugin_on(node) for node in self.pcc_nodes}
         image = await self.name_the_image(ROLLOUT_TAG)
         names: list[str] = []
@@ -592,7 +607,8 @@ class FleetCheck:
                 done.set()
             sampling.cancel_scope.cancel()
         arrived = [p for name in names for p in self.cluster.pods_named(name)]
-        rejected = [p["metadata"]["name"] for p in arrived if refused(p)]
+        rejected = {p["metadata"]["name"]: p["spec"].get("nodeName") for p in arrived
+                    if refused(p)}  # fmt: skip
         at_once = self.at_once(old)
         desired = len(self.pcc_nodes)
         surge = self.max_surge(desired)
@@ -600,16 +616,36 @@ class FleetCheck:
                 for name, s in samples.items()}  # fmt: skip
         exits = self.old_exits(old)
         report.figure(f"fleet: rollout of a tag over {desired} nodes", took)
+        report.figure("fleet: a new plugin pod created → ready (the slowest)",
+                      self.slowest_start(old))  # fmt: skip
         report.count("fleet: nodes updating at once (most)", at_once)
-        expect(not rejected, f"kubelet refused consumers during the rollout: {rejected}")
-        expect(all(z == 0 for z in zero.values()), f"seconds at 0 allocatable: {zero}")
         expect(exits == [0] * desired, f"the old plugins' exit codes: {exits}")
         expect(at_once == min(surge, desired), f"{at_once} nodes at once, maxSurge gives {surge}")
+        # Kubelets before 1.37 keep one client per resource: when the old plugin's stream ends
+        # they drop the new one too, which registers again at once (deploy.md, "Rolling
+        # updates"). Judged there: that it comes back within RESOURCE_KEYED_GAP; what kubelet
+        # refused meanwhile is reported.
+        keyed = {n.name for n in self.pcc_nodes if self.kubelet_minor(n) < PER_SOCKET_KUBELET}
+        for name, seconds in zero.items():
+            if name in keyed:
+                report.figure(f"fleet: {name} (kubelet {self.kubelet_version_of(name)}) at 0 "
+                              "allocatable in the rollout", seconds)  # fmt: skip
+                expect(seconds <= RESOURCE_KEYED_GAP,
+                       f"{name}: {seconds:.3f} s at 0 allocatable in the rollout")  # fmt: skip
+            else:
+                expect(seconds == 0, f"{name}: {seconds:.3f} s at 0 allocatable in the rollout")
+        wrong = {pod: node for pod, node in rejected.items() if node not in keyed}
+        expect(not wrong, f"kubelet refused consumers during the rollout: {wrong}")
+        for pod, node in rejected.items():
+            report.note(f"{node}'s kubelet {self.kubelet_version_of(node or '')} refused "
+                        f"{pod} in the moment it had dropped the new plugin")  # fmt: skip
         report.check(
             f"{image} rolled out over A, B and D in {took:.1f} s, {at_once} nodes at once (the "
             f"base's maxSurge allows {surge} of {desired}); {len(arrived)} consumers arrived "
-            f"during it, none refused; allocatable never 0 on any node "
-            f"({sum(len(s) for s in samples.values())} reads); the old plugins exited 0"
+            f"during it, {len(rejected)} refused; allocatable never 0 on the 1.37 nodes "
+            f"({sum(len(s) for s in samples.values())} reads in all), on B (kubelet "
+            f"{self.kubelet_version(self.b)}) {zero[self.b.name] * 1000:.0f} ms; the old "
+            "plugins exited 0"
         )
         await self.cluster.kubectl("-n", CONSUMERS, "delete", "pods", "-l",
                                    "pcc-e2e/role=arrival", "--wait=false")  # fmt: skip
@@ -625,7 +661,8 @@ class FleetCheck:
             found.append((now(), count))
             await trio.sleep(SAMPLE_EVERY)
 
-    def rolled_out(self, image: str) -> bool:
+    def rolled_out(self, image: str | None) -> bool:
+        """Every PCC node's plugin ready (with `image`, if given) and the DaemonSet done."""
         daemonset = self.cluster.daemonset() or {}
         status = daemonset.get("status", {})
         desired = len(self.pcc_nodes)
@@ -635,7 +672,7 @@ class FleetCheck:
             and status.get("updatedNumberScheduled") == desired
             and status.get("numberAvailable") == desired
             and all(len(pods) == 1 and ready(pods[0])
-                    and pods[0]["spec"]["containers"][0]["image"] == image
+                    and image in (None, pods[0]["spec"]["containers"][0]["image"])
                     for pods in plugins.values())
             and len(plugins) == desired
         )  # fmt: skip
@@ -648,19 +685,39 @@ class FleetCheck:
             return math.ceil(desired * int(surge[:-1]) / 100)
         return int(surge)
 
+    def new_pods(self, old: dict[str, Obj | None]) -> list[list[tuple[float, str, Obj]]]:
+        """The versions of each plugin pod made after the ones in `old`."""
+        since = min(self.cluster.pods.versions(p)[0][0] for p in old.values() if p is not None)
+        known = {p["metadata"]["uid"] for p in old.values() if p is not None}
+        return [
+            versions for uid, versions in self.cluster.pods.history.items()
+            if uid not in known and versions[0][0] > since
+            and labels(versions[0][2]).get("app.kubernetes.io/name") == DAEMONSET
+        ]  # fmt: skip
+
+    def slowest_start(self, old: dict[str, Obj | None]) -> float:
+        """The longest a new plugin pod of the rollout took from its creation to ready."""
+        return max(
+            next(at for at, _, v in versions if ready(v)) - versions[0][0]
+            for versions in self.new_pods(old)
+            if any(ready(v) for _, _, v in versions)
+        )
+
     def at_once(self, old: dict[str, Obj | None]) -> int:
         """The most nodes that had a new plugin pod while their old one was still there."""
         spans = []
         for name, before in old.items():
             assert before is not None
-            gone = next(at for at, kind, _ in self.cluster.pods.versions(before)
-                        if kind == "DELETED")  # fmt: skip
+            # The controller counts a node as updated once its old pod is being deleted.
+            gone = next(
+                at for at, kind, version in self.cluster.pods.versions(before)
+                if kind == "DELETED" or "deletionTimestamp" in version["metadata"]
+            )  # fmt: skip
+            # The DaemonSet's pods are bound by the scheduler: their first version names no node.
             created = min(
                 versions[0][0]
-                for versions in self.cluster.pods.history.values()
-                if versions[0][2]["spec"].get("nodeName") == name
-                and labels(versions[0][2]).get("app.kubernetes.io/name") == DAEMONSET
-                and versions[0][0] > self.cluster.pods.versions(before)[0][0]
+                for versions in self.new_pods(old)
+                if versions[-1][2]["spec"].get("nodeName") == name
             )
             spans.append((created, gone))
         events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])

@@ -148,12 +148,15 @@ def check_failures(error: Exception) -> list[AssertionError]:
     return []
 
 
-def keep_pod_logs(logs: Path) -> None:
-    """Every container's log as kubelet kept it (/var/log/pods is private to the namespace);
-    `python -m e2e` removes them with the rest after a run that passed, unless --keep-logs."""
-    source = Path("/var/log/pods")
-    if source.is_dir():
-        shutil.copytree(source, logs / "pods", symlinks=False, dirs_exist_ok=True)
+def keep_pod_logs(logs: Path, nodes: list[Node]) -> None:
+    """Every container's log as each node's kubelet kept it (/var/log/pods is private to the
+    node): node A's in `logs`/pods, the fleet's in `logs`/<node>/pods. `python -m e2e` removes
+    them with the rest after a run that passed, unless --keep-logs."""
+    for node in nodes:
+        source = node.see(Path("/var/log/pods"))
+        target = logs / "pods" if node.name == NODE_NAME else logs / node.name / "pods"
+        if source.is_dir():
+            shutil.copytree(source, target, symlinks=False, dirs_exist_ok=True)
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -211,7 +214,7 @@ async def main(args: argparse.Namespace) -> int:
                     traceback.print_exc()
             finally:
                 with trio.CancelScope(shield=True):
-                    keep_pod_logs(logs)
+                    keep_pod_logs(logs, [node] if fleet is None else list(fleet.nodes.values()))
                     await tear_down(node, control_plane, fleet)
                 nursery.cancel_scope.cancel()
     print(f"\n{report.table()}\n", flush=True)
