@@ -609,7 +609,7 @@ class FleetCheck:
         arrived = [p for name in names for p in self.cluster.pods_named(name)]
         rejected = {p["metadata"]["name"]: p["spec"].get("nodeName") for p in arrived
                     if refused(p)}  # fmt: skip
-        at_once = self.at_once(old)
+        at_once = self.at_once(old, applied)
         desired = len(self.pcc_nodes)
         surge = self.max_surge(desired)
         zero = {name: sum(t2 - t1 for (t1, c1), (t2, _) in itertools.pairwise(s) if c1 == 0)
@@ -617,7 +617,7 @@ class FleetCheck:
         exits = self.old_exits(old)
         report.figure(f"fleet: rollout of a tag over {desired} nodes", took)
         report.figure("fleet: a new plugin pod created → ready (the slowest)",
-                      self.slowest_start(old))  # fmt: skip
+                      self.slowest_start(applied))  # fmt: skip
         report.count("fleet: nodes updating at once (most)", at_once)
         expect(exits == [0] * desired, f"the old plugins' exit codes: {exits}")
         expect(at_once == min(surge, desired), f"{at_once} nodes at once, maxSurge gives {surge}")
@@ -685,25 +685,23 @@ class FleetCheck:
             return math.ceil(desired * int(surge[:-1]) / 100)
         return int(surge)
 
-    def new_pods(self, old: dict[str, Obj | None]) -> list[list[tuple[float, str, Obj]]]:
-        """The versions of each plugin pod made after the ones in `old`."""
-        since = min(self.cluster.pods.versions(p)[0][0] for p in old.values() if p is not None)
-        known = {p["metadata"]["uid"] for p in old.values() if p is not None}
+    def new_pods(self, since: float) -> list[list[tuple[float, str, Obj]]]:
+        """The versions of each plugin pod first seen after `since` (the rollout's start)."""
         return [
-            versions for uid, versions in self.cluster.pods.history.items()
-            if uid not in known and versions[0][0] > since
+            versions for versions in self.cluster.pods.history.values()
+            if versions[0][0] > since
             and labels(versions[0][2]).get("app.kubernetes.io/name") == DAEMONSET
         ]  # fmt: skip
 
-    def slowest_start(self, old: dict[str, Obj | None]) -> float:
+    def slowest_start(self, since: float) -> float:
         """The longest a new plugin pod of the rollout took from its creation to ready."""
         return max(
             next(at for at, _, v in versions if ready(v)) - versions[0][0]
-            for versions in self.new_pods(old)
+            for versions in self.new_pods(since)
             if any(ready(v) for _, _, v in versions)
         )
 
-    def at_once(self, old: dict[str, Obj | None]) -> int:
+    def at_once(self, old: dict[str, Obj | None], since: float) -> int:
         """The most nodes that had a new plugin pod while their old one was still there."""
         spans = []
         for name, before in old.items():
@@ -716,7 +714,7 @@ class FleetCheck:
             # The DaemonSet's pods are bound by the scheduler: their first version names no node.
             created = min(
                 versions[0][0]
-                for versions in self.new_pods(old)
+                for versions in self.new_pods(since)
                 if versions[-1][2]["spec"].get("nodeName") == name
             )
             spans.append((created, gone))
@@ -906,7 +904,7 @@ class DraFleetCheck(FleetCheck):
                              and all(self.published(n) for n in self.pcc_nodes), 300)  # fmt: skip
             took = now() - applied
             done.set()
-        at_once = self.at_once(old)
+        at_once = self.at_once(old, applied)
         desired = len(self.pcc_nodes)
         surge = self.max_surge(desired)
         failed = [
