@@ -60,12 +60,17 @@ def test_every_component_pins_its_module_and_names_its_commands() -> None:
         "kubelet": ["kubelet"],
         "control-plane": ["kube-apiserver", "kube-controller-manager", "kube-scheduler"],
         "etcd": ["etcd"],
+        "kubectl": ["kubectl"],
+        "kubelet-1.35": ["kubelet"],
     }
     for component in builds.COMPONENTS.values():
         assert re.fullmatch(r"v\d+\.\d+\.\d+", component.version()), component.name
         assert (component.module / "go.sum").is_file(), component.name
-    # The control plane runs at kubelet's version.
-    assert builds.COMPONENTS["control-plane"].version() == builds.COMPONENTS["kubelet"].version()
+    # The control plane, its kubectl and node A's kubelet are one version; node B's kubelet is
+    # of the minor its component is named after.
+    versions = {name: component.version() for name, component in builds.COMPONENTS.items()}
+    assert versions["control-plane"] == versions["kubelet"] == versions["kubectl"]
+    assert versions["kubelet-1.35"].startswith("v1.35.")
 
 
 KUBELET_LOG = """\

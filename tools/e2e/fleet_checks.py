@@ -83,8 +83,8 @@ UNREACHABLE_TOLERATION = 2
 BOOT_RACE_BOUND = 1.0
 # Check 10.6: the new tag every node's containerd has the image under.
 ROLLOUT_TAG = "0.1.0-fleet"
-# Check 11.3 goes back to the image's own tag.
-ROLLBACK_TAG = "0.1.0"
+# Check 11.3's tag, another again.
+DRA_ROLLOUT_TAG = "0.1.0-fleet-dra"
 # Check 11.4: how long the slices of a deleted Node are watched for a driver writing them back
 # (longer than the driver's WRITE_EVERY).
 REWRITE_WATCH = WRITE_EVERY + 10
@@ -126,6 +126,7 @@ class FleetCheck:
         self.c = fleet.member("c")[1]
         self.d = fleet.member("d")[1]
         self.pcc_nodes = [self.a, self.b, self.d]
+        self.watches: list[Watch] = [cluster.pods, cluster.nodes, cluster.daemonsets]
 
     # What the checks read.
 
@@ -200,18 +201,18 @@ class FleetCheck:
         return code, body
 
     async def until(self, what: str, found: Callable[[], object], within: float = 120) -> None:
-        """`found()` asked on every change of pods, nodes or DaemonSets until it is truthy."""
+        """`found()` asked on every change of what the check follows until it is truthy."""
 
         def check() -> bool | None:
             return True if found() else None
 
         async with trio.open_nursery() as nursery:
 
-            async def follow(watch: object) -> None:
-                await watch.until(what, check, within)  # type: ignore[attr-defined]
+            async def follow(watch: Watch) -> None:
+                await watch.until(what, check, within)
                 nursery.cancel_scope.cancel()
 
-            for watch in (self.cluster.pods, self.cluster.nodes, self.cluster.daemonsets):
+            for watch in self.watches:
                 nursery.start_soon(follow, watch)
 
     # What the operator does.
@@ -770,6 +771,7 @@ class DraFleetCheck(FleetCheck):
     def __init__(self, cluster: Cluster, fleet: Fleet, slices: Watch, claims: Watch) -> None:
         super().__init__(cluster, fleet)
         self.slices = slices
+        self.watches.append(slices)
         self.dra = Dra(cluster, slices, claims)
         self.overlay = cluster.manifests / DRA_OVERLAY
 
@@ -816,6 +818,13 @@ class DraFleetCheck(FleetCheck):
         await self.label(self.pcc_nodes)
         applied = now()
         await self.cluster.kubectl("apply", "-k", str(self.overlay))
+        # The claim pods' template, made by check 9 unless it was left out (`--only`).
+        template = self.dra.claim_template["metadata"]["name"]
+        templates = f"/apis/resource.k8s.io/v1/namespaces/{CONSUMERS}/resourceclaimtemplates"
+        try:
+            await self.cluster.server.get(f"{templates}/{template}")
+        except RuntimeError:
+            await self.cluster.server.call("POST", templates, self.dra.claim_template)
 
         def placed() -> bool:
             daemonset = self.cluster.daemonset() or {}
@@ -892,7 +901,7 @@ class DraFleetCheck(FleetCheck):
         report = self.report
         report.variant = "11.3 DRA rollout"
         old = {node.name: self.plugin_on(node) for node in self.pcc_nodes}
-        image = await self.name_the_image(ROLLBACK_TAG)
+        image = await self.name_the_image(DRA_ROLLOUT_TAG)
         names: list[str] = []
         applied = now()
         await self.cluster.kubectl("apply", "-k", str(self.overlay))
@@ -909,7 +918,7 @@ class DraFleetCheck(FleetCheck):
         surge = self.max_surge(desired)
         failed = [
             name for name in names
-            for pod in self.cluster.pods_named(name) if phase(pod) != "Running"
+            if not any(phase(version) == "Running" for _, _, version in self.versions_of(name))
         ]  # fmt: skip
         report.figure(f"fleet DRA: rollout of a tag over {desired} nodes", took)
         report.count("fleet DRA: nodes updating at once (most)", at_once)
@@ -980,7 +989,8 @@ class DraFleetCheck(FleetCheck):
         report.figure("fleet DRA: kubelet started → new Node's slices published", now() - started)
         report.check(
             f"{node.name}'s kubelet started again (labelled at registration, as a node pool "
-            "does): a new Node of the same name, and new slices owned by it, by a new driver pod"
+            "does): a new Node of the same name, and the driver, which had stopped writing "
+            "while its Node was gone, published new slices owned by it"
         )
 
 
