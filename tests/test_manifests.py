@@ -69,7 +69,7 @@ from manifests_support import (
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from pcc_plugin import main
+from pcc_plugin import kernel, main
 from pcc_plugin.configuration import read
 from pcc_plugin.dra import node_facts
 from pcc_plugin.flags import DEFAULT_DRIVER_NAME as DRIVER_NAME
@@ -966,7 +966,7 @@ def test_dra_driver_reads_its_node_attributes_from_the_hosts_sysfs(directory: st
     """configfs (tsm/report) is in the host's /sys only, not in the container's own."""
     ds = daemonset(directory)
     host_root = flag(plugin_container(ds), "host-root", "")
-    for path in (node_facts.SEV_SNP_GUEST, node_facts.TSM_REPORT):
+    for path in (kernel.SEV_SNP_GUEST, kernel.TSM_REPORT):
         mount, source = mount_showing(ds, host_root + path)
         assert source == {"path": node_facts.SYSFS, "type": "Directory"}
         assert mount["readOnly"] is True
