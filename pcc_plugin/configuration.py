@@ -58,6 +58,12 @@ def read(config: Flags) -> Served:
     """
     if not config.config:
         served = Served([config.pcc_resource()], "flags", config.mode or DEFAULT_MODE)
+    elif config.tsm_report:
+        raise ConfigError(
+            f"--tsm-report: not used with --config: give the resources of {config.config} "
+            "a mount of /sys/kernel/config/tsm/report instead",
+            see="docs/profiles.md",
+        )
     else:
         # Imported only now: the YAML parser is not needed without --config.
         from pcc_plugin import profiles

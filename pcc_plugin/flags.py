@@ -16,7 +16,9 @@ from typing import Any, NoReturn
 import attrs
 
 from pcc_plugin import __version__
+from pcc_plugin.kernel import TSM_REPORT
 from pcc_plugin.resource import (
+    CONTAINER_TSM_REPORT,
     DNS1123_SUBDOMAIN,
     MAX_RESOURCE_COUNT,
     ResourceSpec,
@@ -165,6 +167,11 @@ class Flags:
         "host PCC socket directory, mounted read-write at /var/run/pcc",
         metavar="DIR", check=_host_path(mount_hazard),
     )  # fmt: skip
+    tsm_report: bool = _flag(
+        "--tsm-report", False,
+        f"also give containers the kernel's TSM attestation-report interface (configfs-tsm, "
+        f"Linux 6.7+): the host's {TSM_REPORT}, read-write at {CONTAINER_TSM_REPORT}",
+    )  # fmt: skip
     resource_name: str = _flag(
         "--resource-name", "tke.cloud.tencent.com/pcc-device",
         "extended resource registered with kubelet",
@@ -286,6 +293,7 @@ class Flags:
             self.resource_count,
             normalised(self.pcc_device),
             normalised(self.pcc_socket_path),
+            self.tsm_report,
         )
 
 

@@ -23,11 +23,12 @@ from pcc_plugin.resource import (
     Device,
     DeviceNode,
     ResourceSpec,
+    not_on_node,
     seen_from_here,
     start_problem,
     take_inventory,
 )
-from pcc_plugin.sensitive import OPT_IN, opted_in
+from pcc_plugin.sensitive import OPT_IN, device_hazard, mount_hazard
 from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,11 @@ class Inventory:
         self._on_change = on_change
         # Glob matches seen so far: a gone one stays listed, unhealthy.
         self._seen: dict[str, DeviceNode] = {}
+        # Glob matches the kernel says are the host's, and why: each said once while it is.
+        self._refused: dict[str, str] = {}
         self.devices: tuple[Device, ...] = ()
+        # Whether the node was looked at: the first look is passed on even if it finds nothing.
+        self._looked = False
         self._by_id: dict[str, Device] = {}
         # In UTF-8 bytes: a longer ID names no device.
         self.longest_id = 0
@@ -87,15 +92,24 @@ class Inventory:
         """Look at the node again; on any change say why, and pass the whole list on."""
         if not self.in_place.is_set() and not self._arrived():
             return
-        devices = take_inventory(self.spec, self.host_root, self._seen)
-        if devices == self.devices:
+        refused: dict[str, str] = {}
+        devices = take_inventory(self.spec, self.host_root, self._seen, refused)
+        for host_path, hazard in refused.items():
+            if self._refused.get(host_path) != hazard:
+                log.warning(
+                    "%s: not offering %s: %s; its entry may set %s (docs/profiles.md)",
+                    self.spec.name, host_path, hazard, OPT_IN,
+                )  # fmt: skip
+        self._refused = refused
+        if self._looked and devices == self.devices:
             return
-        before = _describe(self.devices) if self.devices else None
+        before = _describe(self.devices) if self._looked and self.devices else None
+        self._looked = True
         self.devices = devices
         self._by_id = {device.id: device for device in devices}
         self.longest_id = max((len(device.id.encode()) for device in devices), default=0)
         self._state.devices_seen(devices)
-        now = _describe(devices)
+        now = _describe(devices, not_on_node(self.spec, self.host_root) if not devices else None)
         if now != before:
             unhealthy = self._state.unhealthy_devices
             log.log(logging.WARNING if unhealthy else logging.INFO, "%s: %s", self.spec.name, now)
@@ -121,7 +135,22 @@ class Inventory:
         return False
 
 
-def _describe(devices: tuple[Device, ...]) -> str:
+def opted_in(spec: ResourceSpec) -> list[str]:
+    """What each entry of `spec` that opted in hands out: the log says so at start."""
+    hazards: list[str | None] = [
+        device_hazard(node.host_path)
+        or f"{node.host_path} is handed out even where the kernel says it is a whole disk or "
+        "holds the host's mounted filesystems or swap"
+        for node in spec.device_nodes
+        if node.allow_sensitive
+    ]
+    hazards += [mount_hazard(mount.host_path) for mount in spec.mounts if mount.allow_sensitive]
+    return [hazard for hazard in hazards if hazard]
+
+
+def _describe(devices: tuple[Device, ...], absent: str | None = None) -> str:
+    if absent:
+        return f"not on this node, no devices: {absent}"
     problems = sorted({device.problem for device in devices if device.problem})
     unhealthy = sum(1 for device in devices if device.problem)
     if not unhealthy:

@@ -15,6 +15,7 @@
             readOnly: false
         env:
           NAME: value
+        onlyOn: tdx                      # optional: sev-snp, tdx or tpm; no devices elsewhere
 
 The file is read as untrusted input, bounded in size and cost (`yaml_input`).
 Imported only when `--config` is given, so the YAML parser costs nothing otherwise.
@@ -30,6 +31,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from pcc_plugin import yaml_input
 from pcc_plugin.flags import MODES
+from pcc_plugin.kernel import HARDWARE
 from pcc_plugin.resource import (
     MAX_RESOURCE_COUNT,
     DeviceNode,
@@ -38,12 +40,12 @@ from pcc_plugin.resource import (
     ResourceSpec,
     resource_name_problem,
 )
-from pcc_plugin.sensitive import OPT_IN, device_hazard, mount_hazard, normalised
+from pcc_plugin.sensitive import OPT_IN, device_hazard, is_within, mount_hazard, normalised
 from pcc_plugin.yaml_input import KeyProblem, child, shown_value
 
 T = TypeVar("T")
 
-_RESOURCE_KEYS = {"name", "count", "socketPrefix", "devices", "mounts", "env"}
+_RESOURCE_KEYS = {"name", "count", "socketPrefix", "devices", "mounts", "env", "onlyOn"}
 _DEVICE_KEYS = {"hostPath", "containerPath", "permissions", "type", OPT_IN}
 _MOUNT_KEYS = {"hostPath", "containerPath", "readOnly", OPT_IN}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -95,16 +97,19 @@ def _boolean(where: str, entry: dict[str, Any], key: str) -> bool:
     return value
 
 
-def _sensitive_allowed(where: str, entry: dict[str, Any], hazard: str | None) -> bool:
+def _sensitive_allowed(
+    where: str, entry: dict[str, Any], hazard: str | None, kernel_decides: bool = False
+) -> bool:
     """Whether the entry opts in to its sensitive host path; refuses it without the opt-in,
-    and an opt-in that is not needed (it would let a later edit of the path pass unseen)."""
+    and an opt-in that is not needed (it would let a later edit of the path pass unseen),
+    unless the kernel decides once the device is there (`kernel_decides`: a block device)."""
     allowed = _boolean(where, entry, OPT_IN)
     if hazard and not allowed:
         raise KeyProblem(
             f"{where}.hostPath",
             f"{hazard}: refused unless this entry sets {OPT_IN}: true (docs/profiles.md)",
         )
-    if allowed and not hazard:
+    if allowed and not hazard and not kernel_decides:
         raise KeyProblem(
             f"{where}.{OPT_IN}", "hostPath is not a sensitive host path: remove the opt-in"
         )
@@ -124,7 +129,7 @@ def _device(where: str, value: Any) -> DeviceNode:
     device_type: DeviceType = entry.get("type", "char")
     if device_type not in ("char", "block"):
         raise KeyProblem(f"{where}.type", f"must be char or block, got {shown_value(device_type)}")
-    allowed = _sensitive_allowed(where, entry, device_hazard(host_path))
+    allowed = _sensitive_allowed(where, entry, device_hazard(host_path), device_type == "block")
     if glob.has_magic(host_path):
         if "containerPath" in entry:
             raise KeyProblem(
@@ -141,6 +146,13 @@ def _mount(where: str, value: Any) -> HostMount:
     container_path = _absolute_path(f"{where}.containerPath", entry.get("containerPath", host_path))
     read_only = _boolean(where, entry, "readOnly")
     allowed = _sensitive_allowed(where, entry, mount_hazard(host_path))
+    if is_within(container_path, "/sys") and not allowed:
+        raise KeyProblem(
+            f"{where}.containerPath",
+            f"{container_path} is inside /sys, where container runtimes cannot make a mount "
+            "point (a container's /sys is read-only sysfs), so the container would not start: "
+            f"give another path, e.g. /run/{container_path.rpartition('/')[2]} (docs/profiles.md)",
+        )
     return HostMount(host_path, container_path, read_only, allow_sensitive=allowed)
 
 
@@ -187,7 +199,12 @@ def _resource(where: str, value: Any) -> ResourceSpec:
     if not devices and not mounts:
         raise KeyProblem(where, "gives containers nothing: add devices or mounts")
     envs = _env(f"{where}.env", entry.get("env", {}))
-    return ResourceSpec(name, count, prefix, devices, mounts, envs)
+    only_on = entry.get("onlyOn")
+    if only_on is not None and only_on not in HARDWARE:
+        raise KeyProblem(
+            f"{where}.onlyOn", f"must be one of {', '.join(HARDWARE)}, got {shown_value(only_on)}"
+        )
+    return ResourceSpec(name, count, prefix, devices, mounts, envs, only_on)
 
 
 def load(path: str) -> Profile:

@@ -9,16 +9,25 @@ container allocated some of them gets a `Grant`.
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import os
 import re
 import stat
+from collections.abc import Callable
 from typing import Literal
 
 import attrs
 
+from pcc_plugin.kernel import LOAD, NODE_HAS, TSM_REPORT, BlockUse, missing_hardware
+from pcc_plugin.sensitive import OPT_IN
+
 CONTAINER_DEVICE_PATH = "/dev/sev-guest"
 CONTAINER_PCC_PATH = "/var/run/pcc"
+# Where containers get configfs-tsm's report directory with --tsm-report: not at its own path,
+# where no runtime can mount it (a container's /sys is read-only sysfs, in which no mount point
+# can be made, and its /sys/kernel/config is empty).
+CONTAINER_TSM_REPORT = "/run/tsm/report"
 # kubelet keeps every device ID in memory and in its checkpoint, and each
 # ListAndWatch message carries them all; 10,000 shares stay far below gRPC's
 # 4 MiB message limit.
@@ -98,6 +107,8 @@ class ResourceSpec:
     device_nodes: tuple[DeviceNode, ...] = ()
     mounts: tuple[HostMount, ...] = ()
     envs: tuple[tuple[str, str], ...] = ()
+    # The hardware (kernel.HARDWARE) without which the node has none of this resource.
+    only_on: str | None = None
 
     @property
     def fixed_nodes(self) -> tuple[DeviceNode, ...]:
@@ -114,14 +125,20 @@ class ResourceSpec:
         ]
 
 
-def pcc_resource(name: str, count: int, device: str, pcc_dir: str) -> ResourceSpec:
-    """The PCC profile: one SEV-SNP guest device and the PCC socket directory, shared."""
+def pcc_resource(
+    name: str, count: int, device: str, pcc_dir: str, tsm_report: bool = False
+) -> ResourceSpec:
+    """The PCC profile: one SEV-SNP guest device and the PCC socket directory, shared; with
+    `tsm_report`, configfs-tsm's report directory too."""
+    mounts = [HostMount(pcc_dir, CONTAINER_PCC_PATH, False, "socket path")]
+    if tsm_report:
+        mounts.append(HostMount(TSM_REPORT, CONTAINER_TSM_REPORT, False, "TSM report"))
     return ResourceSpec(
         name=name,
         count=count,
         socket_prefix="pcc",
         device_nodes=(DeviceNode(device, CONTAINER_DEVICE_PATH, "rw", "char"),),
-        mounts=(HostMount(pcc_dir, CONTAINER_PCC_PATH, False, "socket path"),),
+        mounts=tuple(mounts),
     )
 
 
@@ -134,6 +151,11 @@ NOT_AN_SEV_SNP_NODE = f"a node that is not one has no PCC device: remove its lab
 START_PCC_SERVICE = (
     "start the PCC service on the node, which creates the directory; never create it by hand: "
     "an empty one hides a node whose PCC service does not run"
+)
+LOAD_TSM_REPORT = (
+    "configfs-tsm needs Linux 6.7 or later with configfs mounted at /sys/kernel/config "
+    "(mount -t configfs none /sys/kernel/config) and the TEE's guest driver loaded; "
+    "or run without --tsm-report"
 )
 # Trying the daemon elsewhere (a laptop, a test): the flags that name the paths.
 ELSEWHERE_DEVICE = (
@@ -192,22 +214,49 @@ def _problem(host_root: str, host_path: str, what: str, kind: DeviceType | None)
     return Problem(f"detect {what} {path} failed: not {wrong}", _cause(host_path, condition))
 
 
-def _node_problem(node: DeviceNode, host_root: str) -> Problem | None:
-    return _problem(host_root, node.host_path, "device", node.device_type)
+BlockUses = Callable[[], BlockUse]
+
+
+def host_owned(
+    node: DeviceNode, host_path: str, host_root: str, block_use: BlockUses
+) -> str | None:
+    """What the kernel says makes the block device at `host_path` the host's, unless its entry
+    opted in: a whole disk, or what holds a mounted filesystem or swap (kernel.BlockUse)."""
+    if node.device_type != "block" or node.allow_sensitive:
+        return None
+    try:
+        number = os.stat(seen_from_here(host_root, host_path)).st_rdev
+    except OSError:
+        return None
+    return block_use().hazard(host_path, number)
+
+
+def _node_problem(node: DeviceNode, host_root: str, block_use: BlockUses) -> Problem | None:
+    problem = _problem(host_root, node.host_path, "device", node.device_type)
+    hazard = problem is None and host_owned(node, node.host_path, host_root, block_use)
+    if hazard:
+        return Problem(
+            f"{hazard}: refused unless its entry sets {OPT_IN} (docs/profiles.md)",
+            _cause(node.host_path, "host-owned"),
+        )
+    return problem
 
 
 def _mount_problem(mount: HostMount, host_root: str) -> Problem | None:
     return _problem(host_root, mount.host_path, mount.label, None)
 
 
-def shared_problem(spec: ResourceSpec, host_root: str) -> Problem | None:
+def shared_problem(
+    spec: ResourceSpec, host_root: str, block_use: BlockUses | None = None
+) -> Problem | None:
     """Why the node cannot serve any of `spec` now.
 
     Covers what every device of the resource needs: its fixed device nodes and
     its mount sources. Devices found by a glob are checked one by one.
     """
+    block_use = block_use or functools.cache(lambda: BlockUse(host_root))
     for node in spec.fixed_nodes:
-        problem = _node_problem(node, host_root)
+        problem = _node_problem(node, host_root, block_use)
         if problem:
             return problem
     for mount in spec.mounts:
@@ -232,21 +281,35 @@ def start_problem(spec: ResourceSpec, host_root: str) -> Missing | None:
     """The first of `spec`'s fixed device nodes and mount sources that is not in place, or None.
 
     The PCC profile's two get the fixes the doctor gives too; a profile's own entries are named
-    by their host path.
+    by their host path. A resource the node does not have (`onlyOn`) waits for nothing; one it
+    has waits for a device its globs match too, as the kernel says there is one.
     """
+    if not_on_node(spec, host_root):
+        return None
     for node in spec.fixed_nodes:
-        problem = _node_problem(node, host_root)
+        problem = _problem(host_root, node.host_path, "device", node.device_type)
         if problem:
             if node.container_path == CONTAINER_DEVICE_PATH:
                 fix = f"{LOAD_SEV_GUEST}; {NOT_AN_SEV_SNP_NODE}; {ELSEWHERE_DEVICE}"
             else:
                 fix = f"not on a node: point the profile's {node.host_path} at a device"
             return _missing(host_root, node.host_path, problem, fix)
+    if spec.only_on and spec.glob_nodes and not _glob_matches(spec, host_root):
+        patterns = " or ".join(node.host_path for node in spec.glob_nodes)
+        seen = seen_from_here(host_root, patterns)
+        problem = Problem(
+            f"detect device {seen} failed: nothing matches, though the kernel says the node "
+            f"{NODE_HAS[spec.only_on]}",
+            _cause(spec.glob_nodes[0].host_path, "missing"),
+        )
+        return _missing(host_root, patterns, problem, f"load its driver ({LOAD[spec.only_on]})")
     for mount in spec.mounts:
         problem = _mount_problem(mount, host_root)
         if problem:
             if mount.container_path == CONTAINER_PCC_PATH:
                 fix = f"{START_PCC_SERVICE}; {ELSEWHERE_DIR}"
+            elif mount.host_path == TSM_REPORT:
+                fix = LOAD_TSM_REPORT
             else:
                 fix = f"not on a node: point the profile's {mount.host_path} at a directory"
             return _missing(host_root, mount.host_path, problem, fix)
@@ -281,15 +344,38 @@ def _glob_id(host_path: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", relative)[-50:]
 
 
+def _glob_matches(spec: ResourceSpec, host_root: str) -> bool:
+    """Whether a glob of `spec` matches a device of its type now."""
+    return any(
+        _problem(host_root, match.removeprefix(host_root), "device", node.device_type) is None
+        for node in spec.glob_nodes
+        for match in glob.glob(seen_from_here(host_root, node.host_path))
+    )
+
+
+def not_on_node(spec: ResourceSpec, host_root: str) -> str | None:
+    """Why the kernel says this node has none of `spec` (it lacks the `onlyOn` hardware)."""
+    return missing_hardware(spec.only_on, host_root) if spec.only_on else None
+
+
 def take_inventory(
-    spec: ResourceSpec, host_root: str, seen: dict[str, DeviceNode]
+    spec: ResourceSpec,
+    host_root: str,
+    seen: dict[str, DeviceNode],
+    refused: dict[str, str] | None = None,
 ) -> tuple[Device, ...]:
-    """The resource's devices now. `seen` remembers glob matches, so a gone one stays listed.
+    """The resource's devices now. `seen` remembers glob matches, so a gone one stays listed;
+    `refused` gets the matches the kernel says are the host's (`host_owned`), and why.
 
     Without globs: `count` shares of the fixed nodes. With globs: `count`
-    shares of each matched node, plus the fixed nodes.
+    shares of each matched node, plus the fixed nodes. None on a node without the
+    resource's `onlyOn` hardware.
     """
-    shared = shared_problem(spec, host_root)
+    if not_on_node(spec, host_root):
+        return ()
+    # Read only if a block device is looked at, and once.
+    block_use = functools.cache(lambda: BlockUse(host_root))
+    shared = shared_problem(spec, host_root, block_use)
     if not spec.glob_nodes:
         return tuple(
             _share(f"{spec.socket_prefix}-{index}", spec.socket_prefix, spec.fixed_nodes, shared)
@@ -298,13 +384,17 @@ def take_inventory(
     for pattern in spec.glob_nodes:
         for match in sorted(glob.glob(seen_from_here(host_root, pattern.host_path))):
             host_path = match.removeprefix(host_root) if host_root else match
-            if _problem(host_root, host_path, "device", pattern.device_type) is None:
-                seen.setdefault(
-                    host_path, attrs.evolve(pattern, host_path=host_path, container_path=host_path)
-                )
+            if host_path in seen or _problem(host_root, host_path, "device", pattern.device_type):
+                continue
+            hazard = host_owned(pattern, host_path, host_root, block_use)
+            if hazard:
+                if refused is not None:
+                    refused[host_path] = hazard
+                continue
+            seen[host_path] = attrs.evolve(pattern, host_path=host_path, container_path=host_path)
     devices = []
     for host_path, node in sorted(seen.items()):
-        problem = shared or _node_problem(node, host_root)
+        problem = shared or _node_problem(node, host_root, block_use)
         group = _glob_id(host_path)
         for index in range(spec.count):
             devices.append(_share(f"{group}-{index}", group, (*spec.fixed_nodes, node), problem))

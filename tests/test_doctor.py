@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shutil
@@ -17,14 +18,18 @@ import attrs
 import pytest
 import trio
 from dra_support import DRIVER, DraNode, registered
+from kernel_support import VIRTUAL, Sysfs, as_tdx_node_with_a_vtpm
 
+from pcc_plugin.doctor.attestation import check_tsm_report
 from pcc_plugin.doctor.config import check_config
-from pcc_plugin.doctor.node import check_pcc_node
+from pcc_plugin.doctor.node import check_device, check_pcc_node
 from pcc_plugin.doctor.report import Result
 from pcc_plugin.flags import Flags
 from pcc_plugin.profiles import load
+from pcc_plugin.resource import DeviceNode
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 
+ROOT = Path(__file__).resolve().parent.parent
 RESOURCE = "tke.cloud.tencent.com/pcc-device"
 DEVICE = "device /dev/sev-guest"
 SEV_SNP = "SEV-SNP guest device"
@@ -549,6 +554,8 @@ def pcc_node_checks(host: Path) -> dict[str, Result]:
 
 
 def name_sev_guest(host: Path, numbers: str) -> None:
+    # With devices/, the tree stands for the host's whole sysfs (pcc_plugin.kernel.sysfs).
+    (host / "sys" / "devices").mkdir(parents=True)
     (host / "sys" / "class" / "misc" / "sev-guest").mkdir(parents=True)
     (host / "sys" / "class" / "misc" / "sev-guest" / "dev").write_text(f"{numbers}\n")
 
@@ -660,3 +667,222 @@ async def test_a_file_the_daemon_has_not_applied_yet_warns(tmp_path: Path) -> No
     assert result.status == "WARN"
     assert "is not what the daemon runs (hash 0123456789abcdef)" in result.detail
     assert "at once on SIGHUP" in result.fix
+
+
+# Attestation beyond the device node: a mixed pool's hardware, a TEE's device and event log,
+# configfs-tsm (doctor/attestation.py), and block devices that are the host's.
+
+MIXED_POOL = ROOT / "manifests" / "overlays" / "mixed-pool" / "profiles.yaml"
+
+
+async def test_a_mixed_pool_on_an_sev_snp_node_checks_only_what_it_has(
+    fake_node: FakeNode,
+) -> None:
+    report = await run_doctor(*fake_node.daemon_args(), f"--config={MIXED_POOL}")
+    host = fake_node.host_root
+    lines = report.lines
+    assert lines["hardware sev-snp"] == (
+        f"PASS  hardware sev-snp: the kernel says the node is an SEV-SNP guest "
+        f"({host}/sys/bus/platform/devices/sev-guest exists)"
+    )
+    assert lines["hardware tdx"] == (
+        f"SKIP  hardware tdx: the kernel's CPU flags ({host}/proc/cpuinfo) have no tdx_guest: "
+        "tke.cloud.tencent.com/tdx-guest list no devices here"
+    )
+    assert lines["hardware tpm"].startswith("SKIP  hardware tpm: the kernel has bound no TPM")
+    for check in (
+        "device /dev/tdx[-_]guest",
+        "device /dev/tpmrm0",
+        "mount /sys/kernel/security/tpm0",
+    ):
+        assert lines[check].startswith(f"SKIP  {check}: not checked: the node has no ")
+    assert report.statuses[DEVICE] == "PASS"
+    assert report.statuses[SEV_SNP] == "WARN"  # the fake device is /dev/null
+    assert report.statuses[PCC_DIR.replace("socket path", "mount")] == "PASS"
+
+
+async def test_a_mixed_pool_on_a_tdx_node_checks_its_device_and_its_vtpm(
+    fake_node: FakeNode,
+) -> None:
+    as_tdx_node_with_a_vtpm(fake_node)
+    host = fake_node.host_root
+    misc = host / "sys" / "class" / "misc" / "tdx_guest"
+    misc.mkdir()
+    (misc / "dev").write_text("1:3\n")
+    args = [*fake_node.daemon_args(), f"--config={MIXED_POOL}"]
+    report = await run_doctor(*args)
+    lines = report.lines
+    assert lines["hardware tdx"] == (
+        f"PASS  hardware tdx: the kernel says the node is a TDX guest (the CPU flags in "
+        f"{host}/proc/cpuinfo have tdx_guest)"
+    )
+    assert lines["hardware tpm"].startswith("PASS  hardware tpm: the kernel says the node has")
+    assert lines["hardware sev-snp"].startswith("SKIP  hardware sev-snp: the kernel registered no")
+    assert lines["device /dev/tdx[-_]guest"] == (
+        f"PASS  device /dev/tdx[-_]guest: 1 match, each a character device: {host}/dev/tdx_guest"
+    )
+    assert lines["TDX guest device"] == (
+        f"PASS  TDX guest device: {host}/dev/tdx_guest is the tdx_guest driver's device (1:3)"
+    )
+    # No TPM resource manager in the fake sysfs: nothing says /dev/tpmrm0 is one.
+    assert lines["TPM device"] == (
+        f"WARN  TPM device: {host}/sys/class/tpmrm/tpmrm0/dev does not exist: no TPM 2.0 is "
+        f"bound to a driver, so nothing says that {host}/dev/tpmrm0 (1:3) is a TPM 2.0's "
+        "resource manager; fix: on a node with a vTPM, load its driver (modprobe tpm_crb, or "
+        "tpm_tis)"
+    )
+    log = "/sys/kernel/security/tpm0/binary_bios_measurements"
+    assert lines[f"TPM event log {log}"] == f"PASS  TPM event log {log}: {host}{log} can be read"
+    assert lines[DEVICE] == f"SKIP  {DEVICE}: not checked: the node has no sev-snp"
+    (host / log.lstrip("/")).unlink()
+    report = await run_doctor(*args)
+    assert report.lines[f"TPM event log {log}"].startswith(
+        f"FAIL  TPM event log {log}: {host}{log} does not exist: the TPM's firmware left no "
+        "event log"
+    )
+
+
+def tsm_report_of(node: FakeNode) -> tuple[Path, str]:
+    """The fake node's TSM report directory, and the doctor's line for it."""
+    report_dir = node.host_root / "sys" / "kernel" / "config" / "tsm" / "report"
+    return report_dir, check_tsm_report(str(node.host_root)).line()
+
+
+def test_the_tsm_report_check_on_a_plain_directory_warns(fake_node: FakeNode) -> None:
+    """configfs gives each new report its files; a plain directory does not."""
+    report_dir, line = tsm_report_of(fake_node)
+    assert line == (
+        f"WARN  TSM report /sys/kernel/config/tsm/report: {report_dir} takes a new directory, "
+        "but without a provider file: it is not configfs-tsm; fix: mount configfs at "
+        "/sys/kernel/config on the host; configfs-tsm needs Linux 6.7 or later with configfs "
+        "mounted at /sys/kernel/config (mount -t configfs none /sys/kernel/config) and the "
+        "TEE's guest driver loaded; or run without --tsm-report"
+    )
+    assert list(report_dir.iterdir()) == [], "the doctor removes what it made"
+
+
+@pytest.fixture
+def configfs_tsm(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """mkdir and rmdir in the report directory as configfs-tsm answers them: a new report
+    gets its files from the kernel (provider among them), or ENXIO without a provider; rmdir
+    takes the files with it. Returns the provider, which a test may empty."""
+    provider = ["sev_guest"]
+    real_mkdir, real_rmdir = os.mkdir, os.rmdir
+
+    def mkdir(path: str, mode: int = 0o777) -> None:
+        if "/tsm/report/" not in str(path):
+            return real_mkdir(path, mode)
+        if not provider:
+            raise OSError(errno.ENXIO, os.strerror(errno.ENXIO), path)
+        real_mkdir(path, mode)
+        for name in ("inblob", "outblob", "auxblob", "generation", "privlevel_floor"):
+            (Path(path) / name).write_text("")
+        (Path(path) / "provider").write_text(f"{provider[0]}\n")
+
+    def rmdir(path: str) -> None:
+        if "/tsm/report/" in str(path):
+            for entry in Path(path).iterdir():
+                entry.unlink()
+        real_rmdir(path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    return provider
+
+
+def test_the_tsm_report_check_makes_a_report_and_removes_it(
+    fake_node: FakeNode, configfs_tsm: list[str]
+) -> None:
+    report_dir, line = tsm_report_of(fake_node)
+    assert line == (
+        f"PASS  TSM report /sys/kernel/config/tsm/report: {report_dir} is there, and a report "
+        "can be created in it (provider sev_guest)"
+    )
+    assert list(report_dir.iterdir()) == []
+    configfs_tsm.clear()
+    assert tsm_report_of(fake_node)[1] == (
+        f"FAIL  TSM report /sys/kernel/config/tsm/report: {report_dir} is there, but no report "
+        "can be created in it: no TEE guest driver provides reports (mkdir: No such device or "
+        "address); fix: load the TEE's guest driver, which provides the reports: modprobe "
+        "sev-guest on an SEV-SNP guest, modprobe tdx_guest on a TDX guest"
+    )
+
+
+def test_the_tsm_report_check_where_it_is_missing_or_read_only(
+    fake_node: FakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = fake_node.host_root
+    report_dir = host / "sys" / "kernel" / "config" / "tsm" / "report"
+
+    real_mkdir = os.mkdir
+
+    def read_only(path: str, mode: int = 0o777) -> None:
+        if "/tsm/report/" not in str(path):
+            return real_mkdir(path, mode)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    # The plugin's pod sees the host's configfs through a read-only mount: the doctor looks for
+    # the driver that provides reports instead.
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "mkdir", read_only)
+        assert check_tsm_report(str(host)).status == "FAIL"
+        (host / "sys" / "class" / "misc" / "sev-guest").mkdir()
+        assert check_tsm_report(str(host)).line() == (
+            f"PASS  TSM report /sys/kernel/config/tsm/report: {report_dir} is there; no report "
+            "was tried, as it is read-only here, but its provider's driver is loaded "
+            f"({host}/sys/class/misc/sev-guest)"
+        )
+    report_dir.rmdir()
+    assert (
+        check_tsm_report(str(host))
+        .line()
+        .startswith(
+            f"FAIL  TSM report /sys/kernel/config/tsm/report: {report_dir} does not exist; fix: "
+            "configfs-tsm needs Linux 6.7 or later"
+        )
+    )
+    assert (
+        check_tsm_report(str(host))
+        .line()
+        .endswith(
+            f"; with --host-root, the host's /sys/kernel/config must be mounted at "
+            f"{host}/sys/kernel/config"
+        )
+    )
+
+
+async def test_the_doctor_checks_configfs_tsm_with_tsm_report(fake_node: FakeNode) -> None:
+    report = await run_doctor(*fake_node.daemon_args(), "--tsm-report")
+    check = "TSM report /sys/kernel/config/tsm/report"
+    assert report.statuses[check] == "WARN"  # the fake node's is a plain directory
+    assert list(report.lines)[:3] == [DEVICE, SEV_SNP, PCC_DIR]
+    report = await run_doctor(*fake_node.daemon_args())
+    assert check not in report.lines
+
+
+def test_block_devices_the_kernel_says_are_the_hosts_are_refused(fake_node: FakeNode) -> None:
+    """As the daemon refuses them (tests/test_attestation.py): the root volume on LVM."""
+    host = fake_node.host_root
+    node = Sysfs(host)
+    node.block(f"{VIRTUAL}/dm-0", "253:0")
+    node.mounted("xfs", "dm-0")
+    node.block(f"{VIRTUAL}/dm-3", "253:3")
+    for name, numbers in (("dm-0", (253, 0)), ("dm-3", (253, 3))):
+        try:
+            os.mknod(host / "dev" / name, 0o600 | stat.S_IFBLK, os.makedev(*numbers))
+        except PermissionError:
+            pytest.skip("needs CAP_MKNOD to make a block device node")
+    used = f"/dev/dm-0 is in use by the host: dm-0 is mounted as xfs ({host}/sys/fs/xfs/dm-0)"
+    fix = (
+        "fix: nothing, if it is the host's own; to hand it out all the same, set "
+        "allowSensitiveHostPath on the profile's entry (docs/profiles.md)"
+    )
+    glob_check = check_device(DeviceNode("/dev/dm-*", "", "rw", "block"), str(host))
+    assert glob_check.line() == (
+        f"WARN  device /dev/dm-*: 2 match, each a block device: {host}/dev/dm-0, "
+        f"{host}/dev/dm-3; 1 offered, the kernel says the others are the host's: {used}; {fix}"
+    )
+    fixed = check_device(DeviceNode("/dev/dm-0", "/dev/dm-0", "rw", "block"), str(host))
+    assert fixed.line() == f"FAIL  device /dev/dm-0: {used}: its devices are Unhealthy; {fix}"
+    opted_in = DeviceNode("/dev/dm-0", "/dev/dm-0", "rw", "block", allow_sensitive=True)
+    assert check_device(opted_in, str(host)).status == "PASS"

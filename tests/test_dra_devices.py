@@ -27,6 +27,7 @@ import trio.testing
 import yaml
 from daemon_support import log_line
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
+from kernel_support import Sysfs
 from lightkube.core.exceptions import ApiError
 
 from pcc_plugin import flags
@@ -403,6 +404,10 @@ def test_node_facts_are_read_from_the_hosts_sysfs_under_the_host_root(tmp_path: 
         os.rmdir(node.host_root / "sys" / "bus" / "platform" / "devices" / "sev-guest")
         assert node_facts.read_facts(root) == node_facts.NodeFacts(None, False)
         assert node_facts.read_facts(root).attributes() == {"tsmReport": {"bool": False}}
+        # A TDX guest: the kernel set the tdx_guest CPU flag at boot.
+        Sysfs(node.host_root).tdx_guest()
+        assert node_facts.read_facts(root) == node_facts.NodeFacts("tdx", False)
+        assert node_facts.read_facts(root).describe() == "teeType tdx, tsmReport false"
         shutil.rmtree(node.host_root / "sys")
         assert node_facts.read_facts(root).attributes() == {}
         assert node_facts.sysfs_missing(root) == f"{root}/sys"

@@ -69,7 +69,7 @@ from manifests_support import (
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from pcc_plugin import main
+from pcc_plugin import kernel, main
 from pcc_plugin.configuration import read
 from pcc_plugin.dra import node_facts
 from pcc_plugin.flags import DEFAULT_DRIVER_NAME as DRIVER_NAME
@@ -87,11 +87,13 @@ PRIVILEGED = [
     "manifests/overlays/profiles",
     "manifests/overlays/cdi",
     "manifests/overlays/node-feature-rule",
+    "manifests/overlays/mixed-pool",
 ]
 HARDENED = [
     "manifests/overlays/hardened",
     "manifests/examples/hardened-pcc-dir-only",
     "manifests/examples/hardened-cdi-podmonitor",
+    "manifests/examples/hardened-tsm-report",
 ]
 PLUGIN = PRIVILEGED + HARDENED
 # Deployments that mount only the PCC directory itself (manifests/components/pcc-dir-only): the
@@ -100,17 +102,24 @@ PCC_DIR_ONLY = ["manifests/examples/hardened-pcc-dir-only"]
 # Deployments with an optional feature (manifests/components/<feature>); every other deployment
 # must behave as the base does in that respect.
 NO_SURGE = ["manifests/overlays/no-surge"]
-PROFILES = ["manifests/overlays/profiles"]
+PROFILES = ["manifests/overlays/profiles", "manifests/overlays/mixed-pool"]
 CDI = ["manifests/overlays/cdi", "manifests/examples/hardened-cdi-podmonitor"]
 PODMONITOR = ["manifests/examples/hardened-cdi-podmonitor"]
 NODE_FEATURE_RULES = ["manifests/overlays/node-feature-rule"]
+# Deployments that show the plugin the host's configfs (the TSM report directory, with
+# --tsm-report) or securityfs (a vTPM's event log), which a container's own /sys lacks,
+# read-only under /host.
+TSM_REPORT = ["manifests/examples/hardened-tsm-report"]
+SECURITYFS = ["manifests/overlays/mixed-pool"]
 # The deployment each of these builds on: they add their features to it and change nothing else.
 BUILT_ON = {
     "manifests/overlays/no-surge": "manifests/base",
     "manifests/overlays/profiles": "manifests/base",
     "manifests/overlays/cdi": "manifests/base",
     "manifests/overlays/node-feature-rule": "manifests/base",
+    "manifests/overlays/mixed-pool": "manifests/base",
     "manifests/examples/hardened-cdi-podmonitor": "manifests/overlays/hardened",
+    "manifests/examples/hardened-tsm-report": "manifests/overlays/hardened",
 }
 APPS = ["manifests/examples/confidential-app"]
 # The DRA mode (docs/dra.md): the base's DaemonSet with --mode=dra, privileged or hardened (the
@@ -144,8 +153,16 @@ INSTANCE_ENV = "INSTANCE_NAME"
 PROFILES_VOLUME = "profiles"
 PROFILES_CONFIGMAP = f"{NAME}-profiles"
 PROFILE_FILE = ROOT / "manifests" / "overlays" / "profiles" / "profiles.yaml"
-PCC_EXAMPLE = ROOT / "docs" / "examples" / "pcc.yaml"
-POWER_EXAMPLE = ROOT / "docs" / "examples" / "power-block.yaml"
+MIXED_POOL_FILE = ROOT / "manifests" / "overlays" / "mixed-pool" / "profiles.yaml"
+PROFILE_FILES = {
+    "manifests/overlays/profiles": PROFILE_FILE,
+    "manifests/overlays/mixed-pool": MIXED_POOL_FILE,
+}
+EXAMPLES = ROOT / "docs" / "examples"
+PCC_EXAMPLE = EXAMPLES / "pcc.yaml"
+POWER_EXAMPLE = EXAMPLES / "power-block.yaml"
+CONFIGFS_VOLUME = "host-configfs"
+SECURITYFS_VOLUME = "host-securityfs"
 
 
 def daemonset(directory: str) -> Obj:
@@ -343,8 +360,10 @@ def test_args(directory: str) -> None:
     args = container["args"]
     assert args[: len(base_args)] == base_args
     added = sorted(arg.split("=", 1)[0] for arg in args[len(base_args) :])
-    expected = ["--cdi", "--instance-name"] * (directory in CDI) + ["--config"] * (
-        directory in PROFILES
+    expected = (
+        ["--cdi", "--instance-name"] * (directory in CDI)
+        + ["--config"] * (directory in PROFILES)
+        + ["--tsm-report"] * (directory in TSM_REPORT)
     )
     assert added == sorted(expected)
 
@@ -590,7 +609,7 @@ def test_profiles_mounted_read_only_where_config_points(directory: str) -> None:
     configmap = the(render(directory), "ConfigMap", volume["configMap"]["name"])
     assert configmap["metadata"]["name"].startswith(f"{PROFILES_CONFIGMAP}-")
     assert "items" not in volume["configMap"]
-    assert configmap["data"] == {config_path.name: PROFILE_FILE.read_text()}
+    assert configmap["data"] == {config_path.name: PROFILE_FILES[directory].read_text()}
 
 
 @pytest.mark.parametrize("directory", PLUGIN)
@@ -637,13 +656,20 @@ def test_shipped_profile_example_loads_when_uncommented(tmp_path: Path) -> None:
     )
 
 
+def test_mixed_pool_profile_is_the_examples_each_only_on_its_hardware() -> None:
+    """The PCC profile on SEV-SNP guests, and the TDX and vTPM examples (docs/profiles.md)."""
+    (pcc,) = load(str(PCC_EXAMPLE)).specs
+    tdx, vtpm = (load(str(EXAMPLES / name)).specs[0] for name in ("tdx.yaml", "vtpm.yaml"))
+    assert load(str(MIXED_POOL_FILE)).specs == [attrs.evolve(pcc, only_on="sev-snp"), tdx, vtpm]
+
+
 @pytest.mark.parametrize("directory", PROFILES)
 def test_profile_host_paths_are_seen_live_by_the_plugin(directory: str, tmp_path: Path) -> None:
     """Every host path of the profile, its example too, is under a mount of a parent at /host."""
     ds = daemonset(directory)
     host_root = flag(plugin_container(ds), "host-root", "")
     edited = tmp_path / "profiles.yaml"
-    edited.write_text(uncommented(PROFILE_FILE.read_text()))
+    edited.write_text(uncommented(PROFILE_FILES[directory].read_text()))
     for spec in load(str(edited)).specs:
         for node in spec.device_nodes:
             # A glob is watched through its directory.
@@ -653,6 +679,40 @@ def test_profile_host_paths_are_seen_live_by_the_plugin(directory: str, tmp_path
         for mount in spec.mounts:
             _, source = mount_showing(ds, host_root + mount.host_path)
             assert is_proper_ancestor(source["path"], mount.host_path), mount
+
+
+def host_filesystem_mounted(directory: str, volume_name: str, path: str, wanted: bool) -> None:
+    """The host's `path` (configfs, securityfs) is mounted as `volume_name`, live (it may be
+    mounted after the pod starts), exactly in the deployments that want it."""
+    volume = volume_named(directory, volume_name)
+    if not wanted:
+        assert volume is None
+        return
+    assert volume == {"name": volume_name, "hostPath": {"path": path, "type": "Directory"}}
+    (mount,) = mounts_of(directory, volume_name)
+    assert mount["mountPropagation"] == "HostToContainer"
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_tsm_report_is_seen_live_through_the_hosts_configfs(directory: str) -> None:
+    """configfs is not in a container's own /sys: the plugin sees the host's, read-only."""
+    ds = daemonset(directory)
+    container = plugin_container(ds)
+    wanted = directory in TSM_REPORT
+    host_filesystem_mounted(directory, CONFIGFS_VOLUME, "/sys/kernel/config", wanted)
+    assert ("--tsm-report" in container["args"]) == wanted
+    if wanted:
+        host_root = flag(container, "host-root", "")
+        config, _ = parse(container["args"], "pcc-device-plugin", main.DESCRIPTION, main.EPILOG)
+        (report,) = [m for m in config.pcc_resource().mounts if m.label == "TSM report"]
+        _, source = mount_showing(ds, host_root + report.host_path)
+        assert is_proper_ancestor(source["path"], report.host_path), source
+
+
+@pytest.mark.parametrize("directory", PLUGIN)
+def test_the_hosts_securityfs_only_where_a_profile_needs_it(directory: str) -> None:
+    wanted = directory in SECURITYFS
+    host_filesystem_mounted(directory, SECURITYFS_VOLUME, "/sys/kernel/security", wanted)
 
 
 @pytest.mark.parametrize("directory", PLUGIN)
@@ -707,14 +767,15 @@ def as_built_on(ds: Obj) -> Obj:
     ds = copy.deepcopy(ds)
     ds["spec"]["updateStrategy"] = copy.deepcopy(BASE_UPDATE_STRATEGY)
     spec = ds["spec"]["template"]["spec"]
-    added = (CDI_VOLUME, PROFILES_VOLUME)
+    added = (CDI_VOLUME, PROFILES_VOLUME, CONFIGFS_VOLUME, SECURITYFS_VOLUME)
     spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in added]
     container = spec["containers"][0]
     container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in added]
     container["args"] = [
         arg
         for arg in container["args"]
-        if arg != "--cdi" and not arg.startswith(("--config=", "--instance-name="))
+        if arg not in ("--cdi", "--tsm-report")
+        and not arg.startswith(("--config=", "--instance-name="))
     ]
     container.pop("env", None)
     return ds
@@ -966,7 +1027,7 @@ def test_dra_driver_reads_its_node_attributes_from_the_hosts_sysfs(directory: st
     """configfs (tsm/report) is in the host's /sys only, not in the container's own."""
     ds = daemonset(directory)
     host_root = flag(plugin_container(ds), "host-root", "")
-    for path in (node_facts.SEV_SNP_GUEST, node_facts.TSM_REPORT):
+    for path in (kernel.SEV_SNP_GUEST, kernel.TSM_REPORT):
         mount, source = mount_showing(ds, host_root + path)
         assert source == {"path": node_facts.SYSFS, "type": "Directory"}
         assert mount["readOnly"] is True

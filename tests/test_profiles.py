@@ -48,6 +48,21 @@ def test_the_shipped_examples_load() -> None:
     assert disks.name == "power.example.com/block"
     assert disks.device_nodes[0].is_glob
     assert disks.device_nodes[0].device_type == "block"
+    # Its devices are handed out only where the kernel does not say they are the host's.
+    assert not disks.device_nodes[0].allow_sensitive
+    (tdx,) = load(str(ROOT / "docs" / "examples" / "tdx.yaml")).specs
+    assert (tdx.name, tdx.count, tdx.only_on) == ("tke.cloud.tencent.com/tdx-guest", 16, "tdx")
+    assert tdx.device_nodes == (DeviceNode("/dev/tdx[-_]guest", "", "rw", "char"),)
+    (vtpm,) = load(str(ROOT / "docs" / "examples" / "vtpm.yaml")).specs
+    assert (vtpm.name, vtpm.count, vtpm.only_on) == ("tke.cloud.tencent.com/vtpm", 16, "tpm")
+    assert vtpm.device_nodes == (DeviceNode("/dev/tpmrm0", "/dev/tpmrm0", "rw", "char"),)
+    assert vtpm.mounts == (
+        HostMount("/sys/kernel/security/tpm0", "/run/cc-device-plugin", read_only=True),
+    )
+    # No example opts in to anything.
+    for spec in (*pcc, *power, tdx, vtpm):
+        assert not any(node.allow_sensitive for node in spec.device_nodes)
+        assert not any(mount.allow_sensitive for mount in spec.mounts)
 
 
 def test_defaults_and_derived_prefix(tmp_path: Path) -> None:
@@ -448,6 +463,27 @@ REFUSED_UNLESS_OPTED_IN = "refused unless this entry sets allowSensitiveHostPath
         ("mounts", "/var/run/docker.sock", "/var/run/docker.sock is Docker's socket"),
         ("mounts", "/var/run/dockershim.sock", "/var/run/dockershim.sock is dockershim's"),
         ("mounts", "/var/lib/containerd", "/var/lib/containerd is containerd's storage"),
+        ("mounts", "/run/k3s/containerd", "/run/k3s/containerd is inside /run/k3s (k3s's and"),
+        ("mounts", "/var/run/k3s", "/var/run/k3s is k3s's and RKE2's containerd socket"),
+        ("mounts", "/var/lib/rancher/rke2", "/var/lib/rancher/rke2 is inside /var/lib/rancher"),
+        ("mounts", "/run/podman", "/run/podman is Podman's socket directory"),
+        ("mounts", "/run/containers/storage", "/run/containers/storage is inside /run/containers"),
+        ("mounts", "/run/user/1000/podman", "/run/user/1000/podman is inside /run/user (every"),
+        ("mounts", "/home/core/.local", "/home/core/.local is inside /home (the users' home"),
+        ("mounts", "/var/run/crio/crio.sock", "/var/run/crio/crio.sock is inside /var/run/crio"),
+        ("mounts", "/run/runc", "/run/runc is runc's state of every container"),
+        (
+            "mounts",
+            "/run/systemd/journal",
+            "/run/systemd/journal is inside /run/systemd (systemd's",
+        ),
+        ("mounts", "/var/run/dbus", "/var/run/dbus is D-Bus's system bus socket"),
+        ("mounts", "/var/lib/etcd", "/var/lib/etcd is etcd's data"),
+        ("mounts", "/var/log/pods", "/var/log/pods is inside /var/log (the host's and every pod's"),
+        ("mounts", "/usr/local/bin", "/usr/local/bin is inside /usr (the host's programs"),
+        ("mounts", "/opt", "/opt holds /opt/cni (the CNI plugins the container runtime runs"),
+        ("mounts", "/sys/kernel/config", "/sys/kernel/config is inside /sys"),
+        ("mounts", "/sys/kernel/security", "/sys/kernel/security is inside /sys"),
         ("devices", "/dev/mem", "/dev/mem is the host's physical memory"),
         ("devices", "/dev/./kmem", "/dev/kmem is the kernel's memory"),
         ("devices", "//dev/port", "/dev/port is the host's I/O ports"),
@@ -506,11 +542,75 @@ def test_an_entry_may_opt_in_to_a_sensitive_host_path(tmp_path: Path) -> None:
             "hostPath: /etc, allowSensitiveHostPath: 'yes'",
             "resources[0].mounts[0].allowSensitiveHostPath: must be true or false, got 'yes'",
         ),
+        # No runtime can make a mount point in a container's /sys (read-only sysfs).
+        (
+            "hostPath: /sys/kernel/config/tsm/report",
+            "resources[0].mounts[0].containerPath: /sys/kernel/config/tsm/report is inside /sys, "
+            "where container runtimes cannot make a mount point (a container's /sys is "
+            "read-only sysfs), so the container would not start: give another path, e.g. "
+            "/run/report (docs/profiles.md)",
+        ),
+        (
+            "hostPath: /var/run/pcc, containerPath: /sys/pcc",
+            "resources[0].mounts[0].containerPath: /sys/pcc is inside /sys, where",
+        ),
     ],
 )
-def test_an_opt_in_must_be_needed_and_boolean(tmp_path: Path, entry: str, message: str) -> None:
+def test_an_opt_in_must_be_needed_and_boolean_and_no_mount_lands_in_sys(
+    tmp_path: Path, entry: str, message: str
+) -> None:
     path = write(tmp_path, one_entry("mounts", entry))
     with pytest.raises(ProfileError, match=re.escape(f"{path}: {message}")):
+        load(path)
+
+
+@pytest.mark.parametrize(
+    "host_path", ["/sys/kernel/config/tsm/report", "/sys/kernel/security/tpm0"]
+)
+def test_the_tsm_report_directory_and_a_tpms_event_log_need_no_opt_in(
+    tmp_path: Path, host_path: str
+) -> None:
+    """Neither gives a container more than the TEE's guest device does (docs/profiles.md)."""
+    entry = f"hostPath: {host_path}, containerPath: /run/x, readOnly: true"
+    (spec,) = load(write(tmp_path, one_entry("mounts", entry))).specs
+    assert spec.mounts == (HostMount(host_path, "/run/x", read_only=True),)
+
+
+def test_a_block_device_may_opt_in_as_the_kernel_decides_when_it_is_there(
+    tmp_path: Path,
+) -> None:
+    """The kernel says which block devices are the host's (tests/test_kernel.py); a character
+    device that no path rule names cannot opt in."""
+    (spec,) = load(
+        write(
+            tmp_path,
+            one_entry("devices", "hostPath: /dev/sd*, type: block, allowSensitiveHostPath: true"),
+        )
+    ).specs
+    assert spec.device_nodes == (DeviceNode("/dev/sd*", "", "rw", "block", allow_sensitive=True),)
+    path = write(
+        tmp_path, one_entry("devices", "hostPath: /dev/vfio/1, allowSensitiveHostPath: true")
+    )
+    with pytest.raises(
+        ProfileError, match="hostPath is not a sensitive host path: remove the opt-in"
+    ):
+        load(path)
+
+
+def test_only_on_names_hardware_the_kernel_tells(tmp_path: Path) -> None:
+    for kind in ("sev-snp", "tdx", "tpm"):
+        text = f"resources: [{{name: a.example.com/x, onlyOn: {kind}, mounts: [{{hostPath: /x}}]}}]"
+        (spec,) = load(write(tmp_path, text)).specs
+        assert spec.only_on == kind
+    path = write(
+        tmp_path, "resources: [{name: a.example.com/x, onlyOn: sgx, mounts: [{hostPath: /x}]}]"
+    )
+    with pytest.raises(
+        ProfileError,
+        match=re.escape(
+            f"{path}: resources[0].onlyOn: must be one of sev-snp, tdx, tpm, got 'sgx'"
+        ),
+    ):
         load(path)
 
 

@@ -14,7 +14,8 @@ calls kubelet makes, and a ListAndWatch stream that ends after its first message
     cli.py        flags, the order of the checks, the summary and exit code
     report.py     a check's result and the shared "is it the right kind of file" check
     node.py       device nodes and the directories mounted into containers; for the PCC
-                  profile, symlinks and the SEV-SNP guest device's identity
+                  profile, symlinks; a TEE device's identity (SEV-SNP, TDX, TPM)
+    attestation.py  the hardware of a profile's onlyOn, configfs-tsm, a TPM's event log
     mountinfo.py  which mount holds a path, for the read-only diagnosis
     kubelet.py    kubelet's socket directory, kubelet.sock, the daemon's socket
     readyz.py     the daemon's /readyz

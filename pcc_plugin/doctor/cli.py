@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import glob
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from pcc_plugin import bridge, configuration, flags, klog
+from pcc_plugin.doctor.attestation import check_event_log, check_hardware, check_tsm_report
 from pcc_plugin.doctor.config import check_config
 from pcc_plugin.doctor.dra import KUBELET_CREATES_REGISTRY, check_driver
 from pcc_plugin.doctor.kubelet import (
@@ -17,11 +19,24 @@ from pcc_plugin.doctor.kubelet import (
     check_kubelets_dir,
     check_plugin,
 )
-from pcc_plugin.doctor.node import check_device, check_mount, check_pcc_node, check_sev_guest
+from pcc_plugin.doctor.node import (
+    check_device,
+    check_kernel_device,
+    check_mount,
+    check_pcc_node,
+    kernel_device,
+)
 from pcc_plugin.doctor.readyz import check_readyz
 from pcc_plugin.doctor.report import Result, skipped
 from pcc_plugin.flags import DEFAULT_MODE, Flags
-from pcc_plugin.resource import CONTAINER_DEVICE_PATH, ResourceSpec, take_inventory
+from pcc_plugin.kernel import TPM_EVENT_LOG, TSM_REPORT
+from pcc_plugin.resource import (
+    DeviceNode,
+    ResourceSpec,
+    not_on_node,
+    seen_from_here,
+    take_inventory,
+)
 
 PROG = f"{flags.PROG} doctor"
 DESCRIPTION = (
@@ -46,23 +61,13 @@ async def examine(
     """
     host_root, specs = config.host_root, served.specs
     if config.config:
-        node_checks: dict[str, Result] = {}
-        for spec in specs:
-            for node in spec.device_nodes:
-                node_checks.setdefault(f"device {node.host_path}", check_device(node, host_root))
-                # The PCC device in a profile is checked as the PCC profile's is; a profile's
-                # symlinks (/dev/disk/by-id/...) are often meant, and are not warned about.
-                if node.host_path == CONTAINER_DEVICE_PATH:
-                    node_checks.setdefault("sev-guest", check_sev_guest(node, host_root))
-            for mount in spec.mounts:
-                node_checks.setdefault(
-                    f"{mount.label} {mount.host_path}", check_mount(mount, host_root)
-                )
-        for result in node_checks.values():
+        for result in _examine_profiles(specs, host_root):
             report(result)
     else:
         for result in check_pcc_node(specs[0], host_root):
             report(result)
+    if any(mount.host_path == TSM_REPORT for spec in specs for mount in spec.mounts):
+        report(check_tsm_report(host_root))
     if served.mode == "dra":
         await _examine_dra(config, report)
     else:
@@ -74,6 +79,51 @@ async def examine(
                 config.config, config.metrics_bind_address, served.digest, config_problem
             )
         )
+
+
+def _examine_profiles(specs: Sequence[ResourceSpec], host_root: str) -> list[Result]:
+    """Each resource's devices and mounts, once each; the hardware a resource is only on, and
+    what a TEE's device, its event log and configfs-tsm need (doctor/attestation.py)."""
+    checks: dict[str, Result] = {}
+    only_on: dict[str, list[str]] = {}
+    for spec in specs:
+        if spec.only_on:
+            only_on.setdefault(spec.only_on, []).append(spec.name)
+    for kind, names in only_on.items():
+        checks[f"hardware {kind}"] = check_hardware(kind, host_root, names)
+    for spec in specs:
+        absent = f"not checked: the node has no {spec.only_on}" if spec.only_on else ""
+        absent = absent if not_on_node(spec, host_root) else ""
+        for node in spec.device_nodes:
+            check = f"device {node.host_path}"
+            if absent:
+                checks.setdefault(check, skipped(check, absent))
+                continue
+            checks.setdefault(check, check_device(node, host_root))
+            # A profile's symlinks (/dev/disk/by-id/...) are often meant, and are not warned
+            # about; a TEE's device is checked to be its driver's, as the PCC profile's is.
+            for match in _matches(node, host_root):
+                if device := kernel_device(match):
+                    checks.setdefault(device.check, check_kernel_device(match, host_root, device))
+        for mount in spec.mounts:
+            check = f"{mount.label} {mount.host_path}"
+            if absent:
+                checks.setdefault(check, skipped(check, absent))
+            elif mount.host_path == TSM_REPORT:
+                continue  # its own check, after these
+            else:
+                checks.setdefault(check, check_mount(mount, host_root))
+                if mount.host_path == TPM_EVENT_LOG:
+                    checks.setdefault("event log", check_event_log(mount, host_root))
+    return list(checks.values())
+
+
+def _matches(node: DeviceNode, host_root: str) -> list[str]:
+    """The host paths of what the node's path (or glob) names now."""
+    if not node.is_glob:
+        return [node.host_path]
+    found = glob.glob(seen_from_here(host_root, node.host_path))
+    return sorted(match.removeprefix(host_root) for match in found)
 
 
 async def _examine_dra(config: Flags, report: Callable[[Result], None]) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import re
 
 import attrs
 
+from pcc_plugin.kernel import unescape
 from pcc_plugin.sensitive import is_within
 
 
@@ -18,10 +18,6 @@ class Mount:
     read_only: bool
     fs_read_only: bool
     fs_type: str
-
-
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), field)
 
 
 def mount_of(path: str) -> Mount | None:
@@ -37,7 +33,7 @@ def mount_of(path: str) -> Mount | None:
         fields = line.split(" ")
         # Optional fields end with "-", then come the type, the source, the fs options.
         separator = fields.index("-")
-        point = _unescape(fields[4])
+        point = unescape(fields[4])
         if is_within(target, point) and (found is None or len(point) >= len(found.point)):
             found = Mount(
                 point=point,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import posixpath
+import re
 import stat
 from pathlib import Path
+
+import attrs
 
 from pcc_plugin.doctor.mountinfo import mount_of
 from pcc_plugin.doctor.report import (
@@ -19,6 +23,7 @@ from pcc_plugin.doctor.report import (
     skipped,
     warned,
 )
+from pcc_plugin.kernel import BlockUse, sysfs
 from pcc_plugin.resource import (
     DEVICE_WORDS,
     LOAD_SEV_GUEST,
@@ -27,9 +32,10 @@ from pcc_plugin.resource import (
     DeviceNode,
     HostMount,
     ResourceSpec,
+    host_owned,
     seen_from_here,
 )
-from pcc_plugin.sensitive import is_within, normalised
+from pcc_plugin.sensitive import OPT_IN, is_within, normalised
 
 RIGHT_PATH = "give the daemon and the doctor the right path"
 # A profile's device or directory that is missing; the PCC profile's have fixes of their own.
@@ -46,11 +52,20 @@ def _mounted_hint(host_root: str, host_path: str) -> str:
     return f"; with --host-root, the host's {parent} must be mounted at {host_root}{parent}"
 
 
+HANDED_OUT_ANYWAY = (
+    f"nothing, if it is the host's own; to hand it out all the same, set {OPT_IN} on the "
+    "profile's entry (docs/profiles.md)"
+)
+
+
 def check_device(node: DeviceNode, host_root: str, load_driver: str = LOAD_DRIVER) -> Result:
-    """`load_driver`: the fix when there is no such device."""
+    """`load_driver`: the fix when there is no such device. A block device the kernel says is
+    the host's (a whole disk, or one holding a mounted filesystem) is refused, as the daemon
+    refuses it, unless the entry opts in."""
     check = f"device {node.host_path}"
     wanted = DEVICE_WORDS[node.device_type]
     path = seen_from_here(host_root, node.host_path)
+    block_use = functools.cache(lambda: BlockUse(host_root))
     if node.is_glob:
         matches = [match for match in sorted(glob.glob(path)) if _kind(match) == wanted]
         if not matches:
@@ -59,7 +74,22 @@ def check_device(node: DeviceNode, host_root: str, load_driver: str = LOAD_DRIVE
                 f"nothing matching {path} is {wanted}",
                 load_driver + _mounted_hint(host_root, node.host_path),
             )
-        return passed(check, f"{len(matches)} match, each {wanted}: {', '.join(matches)}")
+        refused = [
+            hazard
+            for match in matches
+            if (hazard := host_owned(node, match.removeprefix(host_root), host_root, block_use))
+        ]
+        found = f"{len(matches)} match, each {wanted}: {', '.join(matches)}"
+        if not refused:
+            return passed(check, found)
+        offered = len(matches) - len(refused)
+        result = warned if offered else failed
+        return result(
+            check,
+            f"{found}; {offered} offered, the kernel says the others are the host's: "
+            + "; ".join(refused),
+            HANDED_OUT_ANYWAY,
+        )
     problem = expect_kind(
         check,
         path,
@@ -68,7 +98,12 @@ def check_device(node: DeviceNode, host_root: str, load_driver: str = LOAD_DRIVE
         f"something replaced the device node: remove {node.host_path} on the host and "
         "load its driver again (for /dev/sev-guest: modprobe -r sev-guest; modprobe sev-guest)",
     )
-    return problem or passed(check, f"{path} is {wanted}")
+    if problem:
+        return problem
+    hazard = host_owned(node, node.host_path, host_root, block_use)
+    if hazard:
+        return failed(check, f"{hazard}: its devices are Unhealthy", HANDED_OUT_ANYWAY)
+    return passed(check, f"{path} is {wanted}")
 
 
 def _kind(path: str) -> str | None:
@@ -144,13 +179,73 @@ def through_symlink(result: Result, host_path: str, host_root: str, fix: str) ->
     )
 
 
-SEV_GUEST_SYSFS = "/sys/class/misc/sev-guest/dev"
+@attrs.frozen
+class KernelDevice:
+    """A device node the kernel names in sysfs (`numbers`, its major:minor there), and what
+    the identity check says of it."""
+
+    check: str
+    numbers: str
+    # "the sev-guest driver's", and why sysfs may not name it.
+    owner: str
+    unloaded: str
+    what: str
+    load: str
+    wrong: str
+
+
+SEV_GUEST = KernelDevice(
+    "SEV-SNP guest device",
+    "/sys/class/misc/sev-guest/dev",
+    "the sev-guest driver's",
+    "the sev-guest driver is not loaded",
+    "the SEV-SNP guest device",
+    f"{LOAD_SEV_GUEST}; {NOT_AN_SEV_SNP_NODE}",
+    "give --pcc-device the sev-guest driver's device node (/dev/sev-guest on the host)",
+)
+
+
+def kernel_device(host_path: str) -> KernelDevice | None:
+    """What the kernel calls the TEE device at `host_path`, by its name: the SEV-SNP and TDX
+    guest devices (either TDX name: tdx_guest upstream, tdx-guest on older Intel kernels) and a
+    TPM's resource manager."""
+    name = posixpath.basename(host_path)
+    if name == "sev-guest":
+        return SEV_GUEST
+    if name in ("tdx_guest", "tdx-guest"):
+        return KernelDevice(
+            "TDX guest device",
+            f"/sys/class/misc/{name}/dev",
+            f"the {name} driver's",
+            f"the {name} driver is not loaded",
+            "the TDX guest device",
+            "on a TDX guest, load its tdx_guest driver (modprobe tdx_guest)",
+            f"give the profile the {name} driver's device node (/dev/{name} on the host)",
+        )
+    if re.fullmatch(r"tpmrm[0-9]+", name):
+        return KernelDevice(
+            "TPM device",
+            f"/sys/class/tpmrm/{name}/dev",
+            "the kernel's TPM resource manager's",
+            "no TPM 2.0 is bound to a driver",
+            "a TPM 2.0's resource manager",
+            "on a node with a vTPM, load its driver (modprobe tpm_crb, or tpm_tis)",
+            f"give the profile the TPM's resource manager (/dev/{name} on the host)",
+        )
+    return None
 
 
 def check_sev_guest(node: DeviceNode, host_root: str) -> Result:
     """The device is the one the SEV-SNP guest driver registered (sysfs names its numbers)."""
-    check = "SEV-SNP guest device"
-    path = seen_from_here(host_root, node.host_path)
+    return check_kernel_device(node.host_path, host_root, SEV_GUEST)
+
+
+def check_kernel_device(host_path: str, host_root: str, device: KernelDevice) -> Result:
+    """The device node at `host_path` is the one its driver registered: sysfs names its
+    numbers. sysfs is not namespaced: a container's own /sys shows the host kernel's devices,
+    so <--host-root>/sys is read only where the host's /sys is mounted there."""
+    check = device.check
+    path = seen_from_here(host_root, host_path)
     try:
         info = os.stat(path)
     except OSError:
@@ -158,35 +253,31 @@ def check_sev_guest(node: DeviceNode, host_root: str) -> Result:
     if info is None or not stat.S_ISCHR(info.st_mode):
         return skipped(check, f"not checked until {path} is a character device")
     numbers = f"{os.major(info.st_rdev)}:{os.minor(info.st_rdev)}"
-    # sysfs is not namespaced: a container's own /sys shows the host kernel's devices, so
-    # <--host-root>/sys is read only where the host's /sys is mounted there.
-    sysfs = host_root + "/sys" if host_root and os.path.isdir(host_root + "/sys") else "/sys"
-    sysfs_file = sysfs + SEV_GUEST_SYSFS.removeprefix("/sys")
+    sysfs_file = sysfs(host_root) + device.numbers.removeprefix("/sys")
     try:
         driver_numbers = Path(sysfs_file).read_text().strip()
     except FileNotFoundError:
         return warned(
             check,
-            f"{sysfs_file} does not exist: the sev-guest driver is not loaded, so nothing says "
-            f"that {path} ({numbers}) is the SEV-SNP guest device",
-            f"{LOAD_SEV_GUEST}; {NOT_AN_SEV_SNP_NODE}",
+            f"{sysfs_file} does not exist: {device.unloaded}, so nothing says "
+            f"that {path} ({numbers}) is {device.what}",
+            device.load,
         )
     except OSError as exc:
         return warned(check, f"cannot read {sysfs_file}: {exc.strerror}", AS_ROOT)
     if driver_numbers != numbers:
         return warned(
             check,
-            f"{path} is device {numbers}, but the sev-guest driver's is {driver_numbers} "
-            f"({sysfs_file})",
-            "give --pcc-device the sev-guest driver's device node (/dev/sev-guest on the host)",
+            f"{path} is device {numbers}, but {device.owner} is {driver_numbers} ({sysfs_file})",
+            device.wrong,
         )
-    return passed(check, f"{path} is the sev-guest driver's device ({numbers})")
+    return passed(check, f"{path} is {device.owner} device ({numbers})")
 
 
 def check_pcc_node(spec: ResourceSpec, host_root: str) -> list[Result]:
     """The PCC profile's device and directory, and that the device is the SEV-SNP guest's."""
     (device,) = spec.device_nodes
-    (pcc_dir,) = spec.mounts
+    pcc_dir = spec.mounts[0]
     return [
         through_symlink(
             check_device(device, host_root, PCC_DEVICE_MISSING),

@@ -6,8 +6,10 @@ Read from the host's sysfs under --host-root (manifests/overlays/dra mounts the 
 
 - `teeType`: `sev-snp` while the kernel has registered the SEV-SNP guest's platform device
   (`/sys/bus/platform/devices/sev-guest`, which Linux registers only when it runs as an SEV-SNP
-  guest, whether or not the sev-guest driver is loaded). Not published otherwise: the driver
-  knows no other TEE, and says nothing it did not read.
+  guest, whether or not the sev-guest driver is loaded); `tdx` where the kernel's CPU flags
+  have `tdx_guest` (set at boot in a TDX guest; /proc/cpuinfo, not namespaced, read in this
+  container unless the host's /proc is under --host-root). Not published otherwise: the driver
+  says nothing it did not read.
 - `tsmReport`: whether the kernel's TSM attestation-report interface is there, the configfs
   directory `/sys/kernel/config/tsm/report` (Linux 6.7 and later, configfs mounted).
 
@@ -23,12 +25,10 @@ from typing import Any
 
 import attrs
 
+from pcc_plugin.kernel import SEV_SNP, SEV_SNP_GUEST, TDX, TSM_REPORT, missing_hardware
 from pcc_plugin.resource import seen_from_here
 
 SYSFS = "/sys"
-SEV_SNP_GUEST = "/sys/bus/platform/devices/sev-guest"
-TSM_REPORT = "/sys/kernel/config/tsm/report"
-SEV_SNP = "sev-snp"
 
 
 @attrs.frozen
@@ -62,6 +62,7 @@ def sysfs_missing(host_root: str) -> str | None:
 def read_facts(host_root: str) -> NodeFacts:
     if sysfs_missing(host_root):
         return NodeFacts()
-    snp = os.path.lexists(seen_from_here(host_root, SEV_SNP_GUEST))
     tsm = os.path.isdir(seen_from_here(host_root, TSM_REPORT))
-    return NodeFacts(SEV_SNP if snp else None, tsm)
+    if os.path.lexists(seen_from_here(host_root, SEV_SNP_GUEST)):
+        return NodeFacts(SEV_SNP, tsm)
+    return NodeFacts(None if missing_hardware(TDX, host_root) else TDX, tsm)

@@ -11,6 +11,13 @@ import attrs
 
 NODE_DEVICE = "/dev/sev-guest"
 NODE_PCC_DIR = "/var/run/pcc"
+# The start of an AMD guest's /proc/cpuinfo, as the kernel writes it (flags shortened).
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov hypervisor
+
+processor\t: 1
+"""
 
 
 @attrs.frozen
@@ -41,10 +48,15 @@ class FakeNode:
         node.pcc_dir.mkdir(parents=True)
         # A sysfs that names no sev-guest device, as on a node without the driver; the SEV-SNP
         # guest's platform device and the TSM report directory, as on an SEV-SNP guest with
-        # configfs mounted (what the DRA driver's node attributes read).
+        # configfs mounted (what the DRA driver's node attributes read). Its devices/ makes it
+        # the host's whole sysfs, read instead of this machine's (pcc_plugin.kernel.sysfs); its
+        # procfs has CPU flags without tdx_guest.
+        (host_root / "sys" / "devices").mkdir(parents=True)
         (host_root / "sys" / "class" / "misc").mkdir(parents=True)
         (host_root / "sys" / "bus" / "platform" / "devices" / "sev-guest").mkdir(parents=True)
         (host_root / "sys" / "kernel" / "config" / "tsm" / "report").mkdir(parents=True)
+        (host_root / "proc").mkdir()
+        (host_root / "proc" / "cpuinfo").write_text(CPUINFO)
         return node
 
     def daemon_args(self, verbosity: int = 2) -> list[str]:
