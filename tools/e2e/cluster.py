@@ -18,7 +18,7 @@ with the time since the start, and figures:
    17th is Pending with the scheduler's ``Insufficient tke.cloud.tencent.com/pcc-device``, never
    refused by kubelet; scaled to 16, nothing is Pending; one deleted, its share goes to its
    replacement;
-3. rollouts: ``kubectl rollout restart`` of the base (surge) three times while consumers arrive
+3. rollouts: ``kubectl rollout restart`` of the base (surge) once while consumers arrive
    (one every 0.5 s): kubelet's allocatable, read every 10 ms through pod-resources, never drops
    to 0, every consumer runs, the old plugin exits 0. Then the way back for clusters that cannot
    surge (``manifests/overlays/no-surge``) once: its gap and the consumers kubelet refused in it
@@ -79,7 +79,7 @@ README_IMAGE = "registry.example.com/pcc/pcc-device-plugin"
 # The example's `sleep` ignores SIGTERM, so each consumer would take its whole default grace
 # period (30 s) to stop; the cluster's consumers are given 2 s.
 CONSUMER_GRACE = 2
-ROLLOUTS = 3
+ROLLOUTS = 1
 ARRIVAL_EVERY = 0.5
 ARRIVALS_AT_LEAST = 5
 SAMPLE_EVERY = 0.01
