@@ -184,6 +184,9 @@ def _shadow(directory: Path, state: Path, replaced: str) -> None:
     original = state / "sysfs" / str(directory).strip("/").replace("/", "-")
     original.mkdir(parents=True)
     _mount("--rbind", str(directory), str(original))
+    # The namespace's mounts are shared (kubelet's HostToContainer needs them so): the tmpfs
+    # below would appear in this copy too, and each entry be bound to itself.
+    _mount("--make-rprivate", str(original))
     entries = [entry for entry in sorted(original.iterdir()) if entry.name != replaced]
     _mount("-t", "tmpfs", "-o", "mode=0755", "pcc-e2e-sysfs", str(directory))
     for entry in entries:

@@ -47,6 +47,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import trio
 import yaml
@@ -67,7 +68,15 @@ from .cluster import (
     ready,
     refused,
 )
-from .cluster_dra import CLAIM_PREFIX, DRIVER, WRITE_EVERY, Dra, spec_path
+from .cluster_dra import (
+    CLAIM_PREFIX,
+    DRIVER,
+    SEV_SNP_GUEST,
+    WRITE_EVERY,
+    Dra,
+    fake_sev_snp_sysfs,
+    spec_path,
+)
 from .fleet import Fleet, make_device
 from .kube import Obj, Watch
 from .node import POD_RESOURCES_SOCKET, Node
@@ -89,6 +98,40 @@ DRA_ROLLOUT_TAG = "0.1.0-fleet-dra"
 # (longer than the driver's WRITE_EVERY).
 REWRITE_WATCH = WRITE_EVERY + 10
 DRA_OVERLAY = "overlays/dra-hardened"
+# Check 12: the TDX resource and device of the mixed pool (manifests/overlays/mixed-pool).
+TDX_RESOURCE = "tke.cloud.tencent.com/tdx-guest"
+TDX_DEVICE = Path("/dev/tdx_guest")
+# A node's procfs as the plugin reads it there (its --host-root's proc): the machine's
+# cpuinfo, with the TDX guest's CPU flag on a TDX node.
+FAKE_PROC = Path("/var/lib/pcc-e2e/proc")
+# The mixed pool as shipped, on this machine: the plugin sees each node's own sysfs (node A's
+# has check 9's fake SEV-SNP guest device; a container's own /sys would show the machine's)
+# and the node's fake procfs under --host-root.
+MIXED_POOL_ON_THIS_MACHINE = f"""\
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - ../manifests/overlays/mixed-pool
+patches:
+  - patch: |-
+      apiVersion: apps/v1
+      kind: DaemonSet
+      metadata:
+        name: pcc-device-plugin
+        namespace: kube-system
+      spec:
+        template:
+          spec:
+            containers:
+              - name: pcc-device-plugin
+                volumeMounts:
+                  - {{name: node-sys, mountPath: /host/sys, readOnly: true,
+                     mountPropagation: HostToContainer}}
+                  - {{name: node-proc, mountPath: /host/proc, readOnly: true}}
+            volumes:
+              - {{name: node-sys, hostPath: {{path: /sys, type: Directory}}}}
+              - {{name: node-proc, hostPath: {{path: {FAKE_PROC}, type: Directory}}}}
+"""
 SAMPLE_EVERY = 0.05
 # The first kubelet minor that keeps a device plugin client per socket (kubernetes#135437).
 PER_SOCKET_KUBELET = 37
@@ -100,6 +143,7 @@ METRICS_PORT = 8080
 # klog's header: severity, month and day, time (the container's clock, UTC).
 KLOG_TIME = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
 REGISTERED = "Registered device plugin with Kubelet"
+TDX_CPU_FLAG = "tdx_guest"
 
 
 def klog_time(line: str) -> float:
@@ -994,6 +1038,92 @@ class DraFleetCheck(FleetCheck):
         )
 
 
+def fake_procfs(node: Node, tdx: bool) -> None:
+    """The node's procfs as check 12's plugin reads it: the machine's cpuinfo, the first CPU's
+    flags with the TDX guest's if `tdx`."""
+    proc = node.see(FAKE_PROC)
+    proc.mkdir(parents=True, exist_ok=True)
+    flags = f" {TDX_CPU_FLAG}" if tdx else ""
+    real = Path("/proc/cpuinfo").read_text()
+    (proc / "cpuinfo").write_text(
+        re.sub(r"^(flags\s*:.*)$", rf"\1{flags}", real, count=1, flags=re.M)
+    )
+
+
+class MixedPoolCheck(FleetCheck):
+    """Check 12: one DaemonSet for a pool of SEV-SNP and TDX nodes (manifests/overlays/mixed-pool):
+    A is an SEV-SNP guest (check 9's fake sysfs), C becomes a TDX guest (its own device, and a
+    CPU flag the node's fake procfs shows the plugin)."""
+
+    async def run(self, dra_overlay: Path) -> None:
+        report = self.report
+        report.variant = "12 mixed pool"
+        # One mode per node: the DRA driver of check 11 goes, with its consumers.
+        await self.cluster.kubectl("-n", CONSUMERS, "delete", "pods", "--all", "--wait=false")
+        await self.cluster.kubectl("delete", "--ignore-not-found", "-k", str(dra_overlay))
+        await self.label([self.a, self.b, self.c, self.d], on=False)
+        await self.until("no plugin pod, no consumer",
+                         lambda: not self.cluster.plugin_pods()
+                         and not self.cluster.consumer_pods())  # fmt: skip
+        if not SEV_SNP_GUEST.exists():
+            fake_sev_snp_sysfs(self.a.state)
+        make_device(self.c.see(TDX_DEVICE))
+        fake_procfs(self.a, tdx=False)
+        fake_procfs(self.c, tdx=True)
+        overlay = self.cluster.manifests.parent / "fleet-mixed-pool"
+        overlay.mkdir(exist_ok=True)
+        (overlay / "kustomization.yaml").write_text(MIXED_POOL_ON_THIS_MACHINE)
+        await self.label([self.a, self.c])
+        applied = now()
+        await self.cluster.kubectl("apply", "-k", str(overlay))
+
+        def served() -> bool:
+            a, c = self.plugin_on(self.a), self.plugin_on(self.c)
+            return bool(
+                a and c and ready(a) and ready(c)
+                and self.offered(self.a, RESOURCE) == SHARES
+                and self.offered(self.a, TDX_RESOURCE) == 0
+                and self.offered(self.c, TDX_RESOURCE) == SHARES
+                and self.offered(self.c, RESOURCE) == 0
+            )  # fmt: skip
+
+        await self.until("A offering the PCC device, C the TDX guest", served, 180)
+        report.figure("mixed pool: apply → A and C each offering its own", now() - applied)
+        report.check(
+            f"manifests/overlays/mixed-pool with A (SEV-SNP) and C (TDX) labelled: one DaemonSet, "
+            f"ready on both; A offers {SHARES} {RESOURCE} and no {TDX_RESOURCE}, C {SHARES} "
+            f"{TDX_RESOURCE} and no {RESOURCE}"
+        )
+        tdx_pod = self.cluster.consumer_pod("tdx-app", "served")
+        (container,) = tdx_pod["spec"]["containers"]
+        container["resources"] = {"limits": {TDX_RESOURCE: 1}}
+        container["command"] = ["sh", "-c", f"ls -l {TDX_DEVICE} && exec sleep 3600"]
+        await self.cluster.server.call("POST", f"/api/v1/namespaces/{CONSUMERS}/pods", tdx_pod)
+        await self.cluster.create_consumer("pcc-app", "served")
+        for name, node, device in (("tdx-app", self.c, TDX_DEVICE), ("pcc-app", self.a, DEVICE)):
+            pod = await self.cluster.consumer_running(name)
+            expect(pod["spec"]["nodeName"] == node.name, f"{name} on {pod['spec']['nodeName']}")
+            answer = await self.cluster.kubectl(
+                "-n", CONSUMERS, "exec", name, "--", "sh", "-c",
+                f"stat -c %F {device}; echo > {device} && echo written",
+            )  # fmt: skip
+            expect(answer.split() == ["character", "special", "file", "written"],
+                   f"{name}: {answer!r}")  # fmt: skip
+        report.check(
+            f"a pod asking for {TDX_RESOURCE} runs on C with a writable {TDX_DEVICE}, one "
+            f"asking for {RESOURCE} on A with a writable {DEVICE}"
+        )
+        await self.cluster.kubectl("-n", CONSUMERS, "delete", "pods", "--all", "--wait=false")
+        await self.cluster.kubectl("delete", "-k", str(overlay))
+        await self.label([self.a, self.c], on=False)
+
+    def offered(self, node: Node, resource: str) -> int:
+        """What the Node's status says of `resource`: its allocatable, 0 where it has none."""
+        found = self.node_object(node)
+        allocatable = (found or {}).get("status", {}).get("allocatable", {})
+        return int(allocatable.get(resource, "0"))
+
+
 async def dra(cluster: Cluster, fleet: Fleet, slices: Watch, claims: Watch) -> None:
     """Check 11 (the module's docstring)."""
     check = DraFleetCheck(cluster, fleet, slices, claims)
@@ -1001,3 +1131,4 @@ async def dra(cluster: Cluster, fleet: Fleet, slices: Watch, claims: Watch) -> N
     await check.claims_where_they_run()
     await check.rollout()
     await check.node_deleted()
+    await MixedPoolCheck(cluster, fleet).run(check.overlay)
