@@ -420,16 +420,20 @@ class Cluster:
 
     # 2.
 
-    def deployment(self, replicas: int) -> Obj:
-        pod = self.consumer_pod(CONSUMER_NAME, "deployment")
-        template = {"metadata": {"labels": pod["metadata"]["labels"]}, "spec": pod["spec"]}
+    def deployment(
+        self, replicas: int, name: str = CONSUMER_NAME, role: str = "deployment", **spec: Any
+    ) -> Obj:
+        """A Deployment of consumers named `name`, their pods labelled `role`, with `spec`
+        (e.g. tolerations) added to the pods'."""
+        pod = self.consumer_pod(name, role)
+        template = {"metadata": {"labels": pod["metadata"]["labels"]}, "spec": pod["spec"] | spec}
         return {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": {"name": CONSUMER_NAME, "namespace": CONSUMERS},
+            "metadata": {"name": name, "namespace": CONSUMERS},
             "spec": {
                 "replicas": replicas,
-                "selector": {"matchLabels": {"pcc-e2e/role": "deployment"}},
+                "selector": {"matchLabels": {"pcc-e2e/role": role}},
                 "template": template,
             },
         }
@@ -541,13 +545,7 @@ class Cluster:
             if not refused(pod):
                 await self.delete_consumer(name)
 
-        async with trio.open_nursery() as nursery:
-            for number in itertools.count(1):
-                if until.is_set() and number > ARRIVALS_AT_LEAST:
-                    break
-                names.append(f"arrival-{tag}-{number}")
-                nursery.start_soon(serve, names[-1])
-                await trio.sleep(ARRIVAL_EVERY)
+        await arriving(names, lambda number: f"arrival-{tag}-{number}", serve, until)
 
     async def rollout(self, tag: str) -> Rollout:
         (old,) = self.plugin_pods()
@@ -853,6 +851,23 @@ class Cluster:
             "kubectl delete -k manifests/base: the plugin's pod is gone, 0 allocatable; "
             f"kubectl label node {NODE_NAME} {NODE_LABEL}-"
         )
+
+
+async def arriving(
+    names: list[str],
+    name_of: Callable[[int], str],
+    serve: Callable[[str], Awaitable[None]],
+    until: trio.Event,
+) -> None:
+    """One arrival every ARRIVAL_EVERY seconds until `until` (at least ARRIVALS_AT_LEAST), each
+    named by `name_of(number)` into `names` and served by `serve(name)` in a task of its own."""
+    async with trio.open_nursery() as nursery:
+        for number in itertools.count(1):
+            if until.is_set() and number > ARRIVALS_AT_LEAST:
+                break
+            names.append(name_of(number))
+            nursery.start_soon(serve, names[-1])
+            await trio.sleep(ARRIVAL_EVERY)
 
 
 def seen(times: list[float]) -> None:

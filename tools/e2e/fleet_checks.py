@@ -54,14 +54,13 @@ import yaml
 
 from . import api, legs
 from .cluster import (
-    ARRIVAL_EVERY,
-    ARRIVALS_AT_LEAST,
     CONSUMERS,
     DAEMONSET,
     NODE_LABEL,
     README_IMAGE,
     SYSTEM,
     Cluster,
+    arriving,
     container_id,
     labels,
     phase,
@@ -282,23 +281,12 @@ class FleetCheck:
         return image
 
     def deployment(self, replicas: int) -> Obj:
-        pod = self.cluster.consumer_pod(FLEET_APP, FLEET_ROLE)
-        pod["spec"]["tolerations"] = [
+        tolerations = [
             {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute",
              "tolerationSeconds": UNREACHABLE_TOLERATION}
             for taint in ("unreachable", "not-ready")
         ]  # fmt: skip
-        return {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": FLEET_APP, "namespace": CONSUMERS},
-            "spec": {
-                "replicas": replicas,
-                "selector": {"matchLabels": {"pcc-e2e/role": FLEET_ROLE}},
-                "template": {"metadata": {"labels": pod["metadata"]["labels"]},
-                             "spec": pod["spec"]},
-            },
-        }  # fmt: skip
+        return self.cluster.deployment(replicas, FLEET_APP, FLEET_ROLE, tolerations=tolerations)
 
     async def scale(self, replicas: int) -> None:
         await self.cluster.kubectl("-n", CONSUMERS, "scale", f"deployment/{FLEET_APP}",
@@ -976,21 +964,15 @@ class DraFleetCheck(FleetCheck):
         )
 
     async def arrive(self, names: list[str], until: trio.Event) -> None:
-        """A claim pod every ARRIVAL_EVERY seconds until `until` (at least ARRIVALS_AT_LEAST),
-        each deleted once it runs."""
+        """A claim pod at each arrival (cluster.arriving) until `until`, each deleted once it
+        runs."""
 
         async def serve(name: str) -> None:
             await self.dra.create(name)
             await self.cluster.consumer_running(name)
             await self.cluster.delete_consumer(name)
 
-        async with trio.open_nursery() as nursery:
-            for number in itertools.count(1):
-                if until.is_set() and number > ARRIVALS_AT_LEAST:
-                    break
-                names.append(f"{CLAIM_PREFIX}arrival-{number}")
-                nursery.start_soon(serve, names[-1])
-                await trio.sleep(ARRIVAL_EVERY)
+        await arriving(names, lambda number: f"{CLAIM_PREFIX}arrival-{number}", serve, until)
 
     # 11.4
 
