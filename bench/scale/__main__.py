@@ -55,7 +55,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: " + ", ".join(f"{k} {v:g}" for k, v in QUICK.items())
-                        + " (any flag given still wins)")  # fmt: skip
+                        + ", no node deleted alone (any flag given still wins)")  # fmt: skip
     parser.add_argument("--nodes", type=int, help="drivers (and nodes) of each kind (100)")
     parser.add_argument("--idle", type=float, help="the idle window, seconds (660)")
     parser.add_argument(
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(
         nodes=args.nodes, concurrency=args.concurrency, settle=args.settle, idle=args.idle,
         outage=args.outage, after_outage=args.after_outage, change_within=args.change_within,
-        keep=args.keep,
+        delete_one=not args.quick, keep=args.keep,
     )  # fmt: skip
     titles = {PCC.key: PCC.title,
               REFERENCE.key: f"{REFERENCE.title} {builds.REFERENCE.version()}"}  # fmt: skip

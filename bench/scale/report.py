@@ -47,8 +47,14 @@ def _change(key: str) -> Callable[[dict[str, Any]], str]:
         found = values.get(key)
         if found is None:
             return "n/a: its devices never change"
+        if isinstance(found, str):
+            return found
         latency = found["latency"]
-        written = "not written" if latency is None else f"written after {latency:.1f} s"
+        written = (
+            f"not written within {found['within']:.0f} s"
+            if latency is None
+            else f"written after {latency:.1f} s"
+        )
         return f"{written}; requests {_requests(found['requests'])}; {found['cpu']:.3f} s CPU"
 
     return cell
