@@ -40,6 +40,11 @@ QUICK = {"nodes": 3, "idle": 5.0, "settle": 1.0, "outage": 5.0, "after_outage": 
          "change_within": 45.0}  # fmt: skip
 
 
+# inotify instances a driver of this tree takes (3), and room for the rest of the machine's.
+INOTIFY_PER_DRIVER = 4
+INOTIFY_SPARE = 256
+
+
 def _log(line: str) -> None:
     print(f"scale: {line}", file=sys.stderr, flush=True)
 
@@ -47,6 +52,25 @@ def _log(line: str) -> None:
 def _terminated(signum: int, frame: FrameType | None) -> None:
     # Unwinds like Ctrl-C does: every driver and daemon is stopped on the way out.
     raise SystemExit(f"scale: stopped by signal {signum}")
+
+
+def inotify_room(nodes: int) -> None:
+    """Enough inotify instances for `nodes` drivers of one user (this tree's takes 3 each):
+    the kernel's limit is per user, 128 by default, where on a real pool each driver is alone
+    on its node. Raised when this runs as root (never lowered again: other work may count on
+    it); else one line that says how."""
+    limit = Path("/proc/sys/fs/inotify/max_user_instances")
+    have, need = int(limit.read_text()), INOTIFY_PER_DRIVER * nodes + INOTIFY_SPARE
+    if have >= need:
+        return
+    if os.geteuid() != 0:
+        raise SystemExit(
+            f"scale: {nodes} drivers of one user need {need} inotify instances, and "
+            f"fs.inotify.max_user_instances is {have}: raise it (as root: sysctl "
+            f"fs.inotify.max_user_instances={need}), or run fewer (--nodes)"
+        )
+    limit.write_text(f"{need}\n")
+    _log(f"raised fs.inotify.max_user_instances from {have} to {need} for {nodes} drivers")
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -90,6 +114,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, _terminated)
+    inotify_room(args.nodes)
     started = time.monotonic()
     kinds = [KINDS[args.only]] if args.only else [PCC, REFERENCE]
     apiserver, etcd = builds.control_plane(_log)
