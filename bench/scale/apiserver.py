@@ -15,6 +15,7 @@ itself opens no connection per request while connections are counted.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import secrets
@@ -101,16 +102,21 @@ class Daemon:
             code = None if self.process is None else self.process.returncode
             raise Failed(f"{what} exited ({code}); {self.log}:\n{_tail(self.log)}")
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
+    def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(sig)
-        try:
-            process.wait(self.grace)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            stop(process, self.grace)
+
+
+def stop(process: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM, and SIGKILL if it has not exited after `grace` seconds."""
+    if process.poll() is None:
+        process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(grace)
+    if process.poll() is None:
+        process.kill()
+        process.wait()
 
 
 @attrs.define

@@ -11,7 +11,6 @@ entries of an SEV-SNP guest. Paths stay short: the drivers' unix socket paths li
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -20,7 +19,7 @@ from pathlib import Path
 import attrs
 
 from bench.harness import ROOT
-from bench.scale.apiserver import STOP_WITHIN, ControlPlane
+from bench.scale.apiserver import STOP_WITHIN, ControlPlane, stop
 
 PCC_DRIVER = "pcc.tke.cloud.tencent.com"
 REFERENCE_DRIVER = "gpu.example.com"
@@ -58,14 +57,8 @@ class Node:
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(STOP_WITHIN)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            stop(process, STOP_WITHIN)
 
 
 @attrs.define
