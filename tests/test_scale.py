@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 from bench.scale import audit, builds, report  # noqa: E402
-from bench.scale.apiserver import open_watches  # noqa: E402
+from bench.scale.apiserver import go_heap, open_watches  # noqa: E402
 from bench.scale.connections import client_sides  # noqa: E402
 from bench.scale.run import Figures  # noqa: E402
 
@@ -160,14 +160,17 @@ def test_connections_are_the_client_sides_of_the_api_servers_port() -> None:
     assert client_sides(table, 0x9C40) == {0xD431: ("01", 4242), 0xD432: ("06", 0)}
 
 
-def test_open_watches_are_read_from_the_api_servers_metrics() -> None:
+def test_open_watches_and_the_heap_are_read_from_the_api_servers_metrics() -> None:
     metrics = """\
+# TYPE go_memstats_heap_inuse_bytes gauge
+go_memstats_heap_inuse_bytes 1.048576e+08
 # TYPE apiserver_longrunning_requests gauge
 apiserver_longrunning_requests{component="apiserver",group="resource.k8s.io",resource="resourceslices",scope="cluster",subresource="",verb="WATCH",version="v1"} 100
 apiserver_longrunning_requests{component="apiserver",group="",resource="nodes",scope="cluster",subresource="",verb="WATCH",version="v1"} 3
 """  # noqa: E501
     assert open_watches(metrics, "resourceslices") == 100
     assert open_watches(metrics, "resourceclaims") == 0
+    assert go_heap(metrics) == 102_400
 
 
 def figures() -> Figures:
@@ -190,6 +193,7 @@ def figures() -> Figures:
         "change.back": change, "change.deleted": change, "memory.driver": (53000, 54000),
         "memory.drivers_total": 5_300_000, "memory.apiserver": 400_000,
         "memory.apiserver_before": 350_000, "memory.etcd": 60_000,
+        "memory.apiserver_heap_before": 100_000, "memory.apiserver_heap": 110_240,
     })  # fmt: skip
     return found
 
@@ -212,7 +216,12 @@ def test_the_table_has_a_column_per_kind_and_projects_to_the_fleet() -> None:
     assert rows["requests per second, idle"] == ["50.0", "11.1"]
     assert rows["peak requests per second after an outage"] == ["2,500", "2,500"]
     assert rows["its device gone"][1] == "n/a: its devices never change"
-    assert rows["kube-apiserver per driver"] == ["+0.49 MiB", "+0.49 MiB"]
+    assert rows["kube-apiserver, before the drivers and after idle"][0] == (
+        "342 MiB, 391 MiB (+0.49 MiB per driver)"
+    )
+    assert rows["kube-apiserver's Go heap in use, the same"][1] == (
+        "98 MiB, 108 MiB (+0.10 MiB per driver)"
+    )
     assert lines[-1].startswith("projection: the per-node figures x 5,000")
 
 

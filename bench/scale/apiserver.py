@@ -339,6 +339,15 @@ class ControlPlane:
         return str(self.ok("GET", "/version").get("gitVersion", "?"))
 
 
+def go_heap(metrics: str) -> int:
+    """The API server's Go heap in use, in KiB (go_memstats_heap_inuse_bytes): its live
+    memory, without what its garbage collector has not yet given back."""
+    for line in metrics.splitlines():
+        if line.startswith("go_memstats_heap_inuse_bytes "):
+            return round(float(line.split()[1]) / 1024)
+    raise Failed("no go_memstats_heap_inuse_bytes in kube-apiserver's /metrics")
+
+
 def open_watches(metrics: str, resource: str) -> int:
     """Watches the API server holds open on `resource`, from its /metrics
     (apiserver_longrunning_requests)."""

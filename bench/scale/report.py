@@ -27,6 +27,12 @@ def _gib(kib: float) -> str:
     return f"{kib / 1024**2:.2f} GiB"
 
 
+def _growth(before: float, after: float, nodes: int) -> str:
+    """Two readings in KiB, and what each node added."""
+    each = (after - before) / 1024 / nodes
+    return f"{before / 1024:.0f} MiB, {after / 1024:.0f} MiB ({each:+.2f} MiB per driver)"
+
+
 def _codes(codes: dict[str, int]) -> str:
     return ", ".join(f"{count} x {code}" for code, count in codes.items()) or "none"
 
@@ -124,7 +130,7 @@ def rows(nodes: int, settings: dict[str, float], whats: Sequence[str]) -> list[s
             ),
         ),
         (
-            f"most nodes within {AT_ONCE:.0f} s, from {HERD_OVER:.0f} s after ready on",
+            f"most nodes within {AT_ONCE:.0f} s, once every node was consistent",
             lambda v: f"{v['outage.later_at_once']} (in {v['outage.later_window']:.0f} s)",
         ),
         ("nodes whose slices are right at the end", lambda v: f"{v['outage.right']} of {nodes}"),
@@ -137,16 +143,11 @@ def rows(nodes: int, settings: dict[str, float], whats: Sequence[str]) -> list[s
         (f"all {nodes} drivers", lambda v: _gib(v["memory.drivers_total"])),
         (
             "kube-apiserver, before the drivers and after idle",
-            lambda v: (
-                f"{v['memory.apiserver_before'] / 1024:.0f} MiB, "
-                f"{v['memory.apiserver'] / 1024:.0f} MiB"
-            ),
+            lambda v: _growth(v["memory.apiserver_before"], v["memory.apiserver"], nodes),
         ),
         (
-            "kube-apiserver per driver",
-            lambda v: (
-                f"{(v['memory.apiserver'] - v['memory.apiserver_before']) / 1024 / nodes:+.2f} MiB"
-            ),
+            "kube-apiserver's Go heap in use, the same",
+            lambda v: _growth(v["memory.apiserver_heap_before"], v["memory.apiserver_heap"], nodes),
         ),
         ("etcd", lambda v: f"{v['memory.etcd'] / 1024:.0f} MiB"),
         (
@@ -177,8 +178,9 @@ def notes(nodes: int, settings: dict[str, float]) -> list[str]:
         f"outage: kube-apiserver stopped (SIGTERM) for {settings['outage']:.0f} s and started "
         "again; as soon as it was ready, every driver's slices were deleted (what changed while "
         "it was down); times are from ready; the herd is every request from the restart to "
-        f"{HERD_OVER:.0f} s after ready; afterwards, nodes within {AT_ONCE:.0f} s of each other "
-        "show a cycle in step.",
+        f"{HERD_OVER:.0f} s after ready; once every node is consistent again (and at least "
+        f"{HERD_OVER:.0f} s after ready), nodes within {AT_ONCE:.0f} s of each other show a "
+        "cycle in step.",
         f"projection: the per-node figures x {FLEET:,} (peaks: x {FLEET:,}/{nodes}, the herd's "
         "spread as measured: each node's retry and renewal timers are its own).",
     ]

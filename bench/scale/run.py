@@ -22,7 +22,7 @@ import attrs
 
 from bench import procfs
 from bench.scale import audit
-from bench.scale.apiserver import ControlPlane, Failed, open_watches
+from bench.scale.apiserver import ControlPlane, Failed, go_heap, open_watches
 from bench.scale.connections import Connections
 from bench.scale.drivers import DEVICES, Kind, Node
 
@@ -185,6 +185,7 @@ class Run:
         f["memory.driver"] = (_median(rss), max(rss))
         f["memory.drivers_total"] = sum(rss)
         f["memory.apiserver"] = _rss_kib(apiserver)
+        f["memory.apiserver_heap"] = go_heap(self.plane.metrics())
         f["memory.etcd"] = _rss_kib(self.plane.etcd.pid)
 
     def outage(self) -> None:
@@ -227,8 +228,11 @@ class Run:
         back = [when - ready for when in written.values() if when is not None]
         f["outage.consistent"] = (_median(back), max(back, default=float("nan")))
         f["outage.never"] = sum(1 for when in written.values() if when is None)
-        later = audit.between(requests, ready + HERD_OVER, until)
-        f["outage.later_window"] = max(0.0, until - ready - HERD_OVER)
+        # From the moment every node is consistent again (and AT_ONCE more): nodes coming in
+        # step then are a cycle's, not the herd's tail.
+        settled = max([ready + HERD_OVER, *(w + AT_ONCE for w in written.values() if w)])
+        later = audit.between(requests, settled, until)
+        f["outage.later_window"] = max(0.0, until - settled)
         f["outage.later_at_once"] = audit.most_nodes_within(later, AT_ONCE)
         f["outage.right"] = self.slices_right()
 
@@ -323,6 +327,7 @@ def measure(
         plane.prepare()
         time.sleep(settings.settle)
         figures["memory.apiserver_before"] = _rss_kib(plane.apiserver.pid)
+        figures["memory.apiserver_heap_before"] = go_heap(plane.metrics())
         nodes = [Node(index, name, top / f"{index:03d}") for index, name in enumerate(names)]
         for node in nodes:
             kind.layout(node, plane)
