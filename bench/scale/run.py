@@ -32,7 +32,7 @@ POLL = 0.05
 AFTERMATH = 5.0
 # "Nodes at once": the most distinct nodes whose requests fall within this many seconds.
 AT_ONCE = 10.0
-# After the outage, the herd is over by then; later requests in step are a cycle's.
+# After the outage, the herd is every request until then.
 HERD_OVER = 60.0
 # After the outage, how long every node may take to write its slices again.
 CONSISTENT_WITHIN = 300.0
@@ -58,7 +58,7 @@ class Settings:
 
 @attrs.define
 class Figures:
-    """What one kind measured; `values` as report.py names them, `raw` for --json."""
+    """What one kind measured, as report.py names it (and --json writes it)."""
 
     values: dict[str, Any] = attrs.Factory(dict)
 
@@ -201,7 +201,6 @@ class Run:
         ready = time.time()
         f["outage.down"] = ready - stopped
         deleted = self.delete_slices(None)
-        f["outage.delete"] = max(deleted.values()) - ready
         # Watched for `after_outage`, and longer if some node has not written its slices
         # again by then, up to CONSISTENT_WITHIN.
         until = ready + settings.after_outage
@@ -217,7 +216,6 @@ class Run:
         f["outage.first"] = (min(first.values(), default=ready) - ready,
                              max(first.values(), default=ready) - ready)  # fmt: skip
         f["outage.came_back"] = len(first)
-        f["outage.spread"] = audit.spread(first.values())
         f["outage.peak"] = audit.peak_per_second(requests)
         herd = audit.between(requests, restarted, ready + HERD_OVER)
         f["outage.herd_requests"] = len(herd) / len(nodes)
@@ -276,12 +274,10 @@ class Run:
         time.sleep(max(0.0, end - time.time()))
         requests = audit.between(self.auditlog.requests(), since, end)
         mine = [r for r in requests if r.node == node.name]
-        others = {r.node for r in requests if r.node != node.name}
         self.figures[key] = {
             "latency": None if written is None else written - since,
             "requests": [r.what for r in mine],
             "cpu": _cpu(node.pid) - cpu_before,
-            "others": len(others),
             "within": self.settings.change_within,
         }
 
