@@ -126,6 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     titles = {PCC.key: PCC.title,
               REFERENCE.key: f"{REFERENCE.title} {builds.REFERENCE.version()}"}  # fmt: skip
+    # The load average in it is the start's: the machine is shared.
+    header = report_header(
+        "pcc-device-plugin scale benchmark: N DRA drivers against a real kube-apiserver",
+        f"kube-apiserver and etcd, the cluster session's builds ({apiserver.parent.name}, "
+        f"{etcd.parent.name}), on 127.0.0.1; counts from its audit log",
+        f"{args.nodes} nodes of each kind, each its own user, process, host tree; "
+        f"idle {args.idle:g} s, outage {args.outage:g} s, watched {args.after_outage:g} s after",
+    )
     results: dict[str, Figures] = {}
     with tempfile.TemporaryDirectory(prefix="pcc-scale-pycache-") as cache:
         env = bytecode_env(Path(cache))
@@ -136,15 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Failed as error:
                 _log(f"{kind.title}: {error}")
                 return 1
-    versions = {key: figures.values.pop("apiserver.version") for key, figures in results.items()}
-    header = report_header(
-        "pcc-device-plugin scale benchmark: N DRA drivers against a real kube-apiserver",
-        f"kube-apiserver {', '.join(sorted(set(versions.values())))} and etcd, the cluster "
-        f"session's builds ({apiserver.parent.name}, {etcd.parent.name}), on 127.0.0.1; "
-        "counts from its audit log",
-        f"{args.nodes} nodes of each kind, each its own user, process, host tree; "
-        f"idle {args.idle:g} s, outage {args.outage:g} s, watched {args.after_outage:g} s after",
-    )
     header.append(report_footer(started))
     header.append(f"command: {' '.join(['python -m bench.scale', *(argv or sys.argv[1:])])}")
     windows = {"concurrency": float(args.concurrency), "settle": args.settle,

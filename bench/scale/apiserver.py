@@ -335,9 +335,6 @@ class ControlPlane:
             raise Failed(f"GET /metrics: {status}")
         return data.decode()
 
-    def version(self) -> str:
-        return str(self.ok("GET", "/version").get("gitVersion", "?"))
-
 
 def go_heap(metrics: str) -> int:
     """The API server's Go heap in use, in KiB (go_memstats_heap_inuse_bytes): its live

@@ -319,7 +319,6 @@ def measure(
         stack.callback(plane.stop)
         figures = Figures()
         figures["apiserver.start"] = plane.start()
-        figures["apiserver.version"] = plane.version()
         plane.prepare()
         time.sleep(settings.settle)
         figures["memory.apiserver_before"] = _rss_kib(plane.apiserver.pid)
