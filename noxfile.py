@@ -505,3 +505,19 @@ def bench(session: nox.Session) -> None:
     session.run(
         "python", "-m", "bench.run", *session.posargs, env={"PYTHONPATH": str(ROOT / "tools")}
     )
+
+
+@nox.session
+def scale(session: nox.Session) -> None:
+    """N DRA drivers (100 of this tree's, then 100 of the Go reference) against a real etcd
+    and kube-apiserver on 127.0.0.1: what each costs the API server, from its audit log; about
+    40 minutes on 2 cores. No root, no kubelet. Needs Go and openssl: etcd and kube-apiserver
+    are the cluster session's builds (tools/e2e/builds.py), the Go reference
+    (kubernetes-sigs/dra-example-driver) is built by bench/scale/builds.py; both cached.
+    Arguments go to `python -m bench.scale` (--quick, --nodes N, --idle S, --only pcc|go,
+    --json PATH, --keep DIR); docs/dra.md records a run.
+    """
+    install_dev(session)
+    session.run(
+        "python", "-m", "bench.scale", *session.posargs, env={"PYTHONPATH": str(ROOT / "tools")}
+    )

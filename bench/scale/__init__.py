@@ -1,0 +1,1 @@
+"""The scale benchmark: N drivers against a real kube-apiserver (see __main__.py)."""
