@@ -54,9 +54,7 @@ from pcc_plugin.configuration import ConfigError, Served, read, watch_config_fil
 from pcc_plugin.flags import Flags
 from pcc_plugin.generations import Mode, supervise_resource
 from pcc_plugin.klog import V1
-from pcc_plugin.plugin import DevicePluginMode
 from pcc_plugin.resource import ResourceSpec
-from pcc_plugin.service import DevicePlugin
 from pcc_plugin.state import DaemonState, ResourceState
 
 log = logging.getLogger(__name__)
@@ -152,13 +150,17 @@ class Resources:
 
     def _mode_for(self, spec: ResourceSpec, state: ResourceState) -> Mode:
         config = self.config
+        # Each mode's modules are its own (main.py imports them before it settles): the DRA
+        # mode's API client costs memory, the device plugin's services start time.
         if self.mode == "dra":
-            # Imported only in this mode: the API client costs memory.
             from pcc_plugin.dra.driver import DraMode
 
             log.info("Starting pcc-device-plugin as DRA driver %s: %s x%d on node %s",
                      config.driver_name, spec.name, spec.count, config.node_name)  # fmt: skip
             return DraMode(config, spec, state)
+        from pcc_plugin.plugin import DevicePluginMode
+        from pcc_plugin.service import DevicePlugin
+
         log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
         plugin = DevicePlugin(
             spec,

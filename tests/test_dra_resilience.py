@@ -14,7 +14,7 @@ import fcntl
 import json
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,11 @@ import pytest
 import trio
 import trio.testing
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
-from lightkube.core.exceptions import ApiError
 from metrics_support import get, metrics_port
 
 from pcc_plugin import grpc_server, wire
 from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1
-from pcc_plugin.dra import claims, slices
+from pcc_plugin.dra import claims, kube, slices, taints
 from pcc_plugin.dra import service as dra_service
 from pcc_plugin.dra.checkpoint import Checkpoint
 from pcc_plugin.inventory import Inventory
@@ -185,14 +184,22 @@ class MemoryApi:
         return [json.loads(json.dumps(obj)) for obj in self.slices.values()], str(self.version)
 
     async def watch_slices(
-        self, fields: dict[str, Any], version: str
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        self,
+        fields: dict[str, Any],
+        version: str,
+        seconds: int,
+        event: Callable[[str, dict[str, Any]], None],
+        opened: Callable[[], None],
+    ) -> None:
+        opened()
         since = int(version)
-        while True:
-            for number, kind, obj in [event for event in self.events if event[0] > since]:
-                since = number
-                yield kind, json.loads(json.dumps(obj))
-            await self.changed.wait()
+        with trio.move_on_after(seconds):
+            while True:
+                changed = self.changed
+                for number, kind, obj in [each for each in self.events if each[0] > since]:
+                    since = number
+                    event(kind, json.loads(json.dumps(obj)))
+                await changed.wait()
 
     async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         name = obj["metadata"]["name"]
@@ -215,8 +222,8 @@ class MemoryApi:
         self._bump("DELETED", self.slices.pop(name))
 
 
-def conflict(reason: str) -> ApiError:
-    return ApiError(status={"code": 409, "reason": reason, "message": "written meanwhile"})
+def conflict(reason: str) -> kube.RequestFailed:
+    return kube.RequestFailed(f"409 {reason}: written meanwhile", 409, reason)
 
 
 SPEC = pcc_resource("tke.cloud.tencent.com/pcc-device", 16, "/dev/sev-guest", "/var/run/pcc")
@@ -237,7 +244,9 @@ async def test_what_the_publisher_remembers_of_its_writes_stays_bounded(
         return slices.desired(pool, SPEC, HEALTHY if healthy[0] else ())
 
     publisher = slices.Publisher(api, slices.Pool(DRIVER, NODE, api.node), wanted, OLDER,
-                                 lambda other: True, slices.WriteBudget(burst=200))  # fmt: skip
+                                 lambda other: True, taints.Unhealthy(DRIVER),
+                                 slices.WriteBudget(burst=200))  # fmt: skip
+    await publisher.relist()
     for _ in range(200):
         healthy[0] = not healthy[0]
         await publisher.reconcile()
@@ -265,7 +274,7 @@ def publishing(
             await slices.publish(
                 api, slices.Pool(DRIVER, NODE, ""), me, alive,
                 lambda pool: slices.desired(pool, spec, devices), trio.Event,
-                ResourceState("x", needs_stream=False, registered=True),
+                ResourceState("x", needs_stream=False, registered=True), taints.Unhealthy(DRIVER),
             )  # fmt: skip
 
     nursery.start_soon(run)
@@ -322,7 +331,7 @@ async def test_once_the_newer_instance_is_gone_the_older_publishes_again(
         assert paths_in(api) == {"/var/run/pcc-b"}
         newer.cancel()
         running.remove(NEWER)
-        await trio.sleep(slices.WATCH_RENEW)
+        await trio.sleep(slices.WATCH_SECONDS[1])
         assert paths_in(api) == {"/var/run/pcc"}
         assert writes_by(api, OLDER) == 2
         nursery.cancel_scope.cancel()

@@ -19,8 +19,15 @@ import attrs
 import trio
 
 from pcc_plugin import cdi
-from pcc_plugin.dra.checkpoint import Checkpoint, Claims, LockBusy, PreparedClaim, PreparedDevice
-from pcc_plugin.dra.kube import RequestFailed, describe_error, status_code
+from pcc_plugin.dra.checkpoint import (
+    Checkpoint,
+    Claims,
+    LockBusy,
+    PreparedClaim,
+    PreparedDevice,
+    claims_of,
+)
+from pcc_plugin.dra.kube import RequestFailed, describe_error, retrying, status_code
 from pcc_plugin.inventory import Inventory
 from pcc_plugin.klog import V1
 from pcc_plugin.state import ResourceState
@@ -105,10 +112,12 @@ class Preparer:
             async with self.checkpoint.locked(ANSWER_WITHIN) as prepared:
                 for claim in claims:
                     try:
+                        # The spec's name is this driver's and the claim's: whoever wrote it
+                        # (another --instance-name, a run that crashed before its checkpoint),
+                        # the claim is gone from the node.
                         cdi.remove_claim_spec(
-                            self.cdi_dir, self.driver, claim.uid, self.owner,
-                            any_instance=claim.uid in prepared,
-                        )  # fmt: skip
+                            self.cdi_dir, self.driver, claim.uid, self.owner, any_instance=True
+                        )
                     except OSError as exc:
                         self.state.unprepared("failed")
                         answers[claim.uid] = f"cannot remove its CDI spec: {exc}"
@@ -140,6 +149,47 @@ class Preparer:
                         len(prepared), written)  # fmt: skip
         except OSError as exc:
             log.error("Prepared claims' CDI specs not checked: %s", exc)
+
+    def salvage(self) -> Claims:
+        """The prepared claims the CDI specs record: what an unreadable checkpoint held, as
+        far as a reboot left the specs (kubelet prepares the others again)."""
+        return claims_of(cdi.claim_records(self.cdi_dir, self.driver))
+
+    async def forget_deleted_claims(self) -> None:
+        """At start: forget the checkpointed claims whose ResourceClaim is gone (or was
+        created again, a new UID), which kubelet will never unprepare (a pod force-deleted
+        while the driver was away), their CDI specs with them. A claim in use cannot be
+        deleted (its finalizer), so a claim that is gone is used by no pod here. Asked until
+        the API server answers, once per claim."""
+        backoff, outage = retrying(log)
+        left = self.checkpoint.peek()
+        while left:
+            uid, claim = next(iter(left.items()))
+            try:
+                found = await self.get_claim(claim.namespace, claim.name)
+            except RequestFailed as error:
+                if status_code(error) != 404:
+                    outage.failed(f"Checking prepared claim {claim.namespace}/{claim.name} "
+                                  f"({uid}) failed: {describe_error(error)}")  # fmt: skip
+                    await trio.sleep(backoff.next_delay())
+                    continue
+                found = {}
+            del left[uid]
+            if (found.get("metadata") or {}).get("uid") == uid:
+                continue
+            try:
+                async with self.checkpoint.locked() as prepared:
+                    if prepared.pop(uid, None) is None:
+                        continue
+                    cdi.remove_claim_spec(self.cdi_dir, self.driver, uid, self.owner,
+                                          any_instance=True)  # fmt: skip
+            except OSError as exc:
+                log.error("Prepared claim %s/%s (%s) is deleted, but cannot be forgotten: %s",
+                          claim.namespace, claim.name, uid, exc)  # fmt: skip
+                continue
+            log.info("Prepared claim %s/%s (%s) was deleted from the API server: forgotten, "
+                     "its CDI spec removed", claim.namespace, claim.name, uid)  # fmt: skip
+        outage.over()
 
     def _prepare(
         self, claim: ClaimRef, prepared: Claims, read: dict[str, dict[str, Any] | str]
@@ -234,8 +284,9 @@ class Preparer:
             raise ClaimError(f"device {claim.devices[0].device} is no longer one of this node's")
         try:
             cdi.write_claim_spec(
-                self.cdi_dir, self.driver, uid, self.inventory.spec, device, self.owner
-            )
+                self.cdi_dir, self.driver, uid, self.inventory.spec, device, self.owner,
+                attrs.asdict(claim),
+            )  # fmt: skip
         except (OSError, cdi.CdiConflict) as exc:
             raise ClaimError(f"cannot write its CDI spec: {exc}") from None
 
