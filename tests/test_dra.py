@@ -717,8 +717,8 @@ async def test_missing_credentials_are_one_line_and_exit_1(
 async def test_an_exec_credential_plugin_of_either_version_gets_the_token(
     dra_node: DraNode, start_daemon: StartDaemon, version: str
 ) -> None:
-    """A kubeconfig whose user runs a command (as cloud providers' do): the command runs on
-    asyncio's side (trio cannot run lightkube's subprocess), told what client-go tells it."""
+    """A kubeconfig whose user runs a command (as cloud providers' do), told what client-go
+    tells it."""
     kubeconfig = dra_node.api.write_kubeconfig(dra_node.node.root / "exec.json", version)
     args = [arg for arg in dra_node.daemon_args() if not arg.startswith("--kubeconfig=")]
     with trio.fail_after(30):
