@@ -163,9 +163,12 @@ class FakeApiServer(Simulator):
         # While set, open watches say nothing, bookmarks included (a hung server, or a
         # connection whose peer is gone).
         self.mute_watches = False
-        # Connections accepted, requests answered 401.
+        # Connections accepted, requests answered 401; each watch's query, in order.
         self.connections = 0
         self.unauthorized = 0
+        self.watches: list[dict[str, str]] = []
+        # Ends every watch after at most this many seconds (a test's minutes in seconds).
+        self.max_watch_seconds: float | None = None
         self._started = False
         super().__init__()
         self._versions = itertools.count(1)
@@ -498,6 +501,7 @@ class FakeApiServer(Simulator):
 
     def check_watch(self, query: dict[str, str]) -> None:
         with self._changed:
+            self.watches.append(query)
             self._requested("WATCH resourceslices")
 
     def watch(self, query: dict[str, str], send: Callable[[bytes], None]) -> None:
@@ -507,7 +511,7 @@ class FakeApiServer(Simulator):
         seconds = float(query.get("timeoutSeconds") or 0) or (
             MIN_REQUEST_TIMEOUT * (1 + random.random())
         )  # fmt: skip
-        end = time.monotonic() + seconds
+        end = time.monotonic() + min(seconds, self.max_watch_seconds or seconds)
         bookmarks = query.get("allowWatchBookmarks") == "true"
         next_bookmark = time.monotonic() + self.bookmark_every
         with self._changed:
