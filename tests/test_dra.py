@@ -683,18 +683,21 @@ def test_a_checkpoint_of_version_1_is_read_typed_and_written_as_it_was(tmp_path:
     ["{not json", CHECKPOINT_V1.replace('"version": 1', '"version": 2'), '{"version": 1}'],
     ids=["not JSON", "another version", "no claims"],
 )
-def test_an_unreadable_checkpoint_is_kept_aside_and_the_driver_starts_empty(
+def test_an_unreadable_checkpoint_is_kept_aside_and_rebuilt_from_what_else_records_it(
     tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Moved aside (an operator can see it), and written again from the claims' CDI specs
+    (test_dra_resilience.py: the daemon's own), here none."""
     (tmp_path / "checkpoint.json").write_text(text)
     assert Checkpoint(tmp_path, DRIVER).read() == {}
     assert (tmp_path / "checkpoint.json.unreadable").read_text() == text
-    assert not (tmp_path / "checkpoint.json").exists()
+    assert Checkpoint(tmp_path, DRIVER).read() == {}
     (record,) = caplog.records
     assert record.levelno == logging.ERROR
     assert record.getMessage().startswith(
         f"Checkpoint {tmp_path / 'checkpoint.json'} was unreadable"
     )
+    assert record.getMessage().endswith("0 prepared claims taken from their CDI specs")
 
 
 async def test_missing_credentials_are_one_line_and_exit_1(

@@ -104,6 +104,7 @@ class Checkpoint:
             salvaged = self.salvage()
             log.error("Checkpoint %s was unreadable (%s), moved to %s; %d prepared claims "
                       "taken from their CDI specs", path, exc, aside, len(salvaged))  # fmt: skip
+            self.write(salvaged)
             return salvaged
 
     def write(self, claims: Claims) -> None:
