@@ -248,6 +248,9 @@ class Api:
             raise RequestFailed(f"no answer within {REQUEST_TIMEOUT:.0f} s") from None
         except CredentialError as exc:
             raise RequestFailed(f"no credentials: {exc}") from None
+        except httpx.RemoteProtocolError as exc:
+            # h2's own words for a GOAWAY or a reset are its events' reprs.
+            raise RequestFailed(f"the API server closed the connection ({exc})") from None
         except httpx.HTTPError as exc:
             raise RequestFailed(_first_line(exc)) from None
         except (OSError, ssl.SSLError, ValueError) as exc:
