@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 async def run_daemon(config: Flags, served: Served) -> None:
     path = Path(config.config) if config.config else None
-    daemon = DaemonState(served.specs, path, served.digest)
+    daemon = DaemonState(served.specs, path, served.digest, served.mode)
     reloads, reload_requests = trio.open_memory_channel[str](1)
     resources = Resources(config, served.mode, daemon)
     async with trio.open_nursery() as root:

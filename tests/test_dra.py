@@ -150,6 +150,51 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
         assert "Traceback" not in daemon.log_text()
 
 
+async def test_an_operator_reads_the_driver_in_prometheus(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """What an operator of NVIDIA's DRA driver looks for: calls answered, their duration (a
+    histogram) and those in flight by operation, the devices prepared, the claims failed by
+    why; and what the node costs the API server. The device plugin's families are not there
+    (nor the DRA mode's in the device plugin's, tests/test_metrics.py)."""
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await published(dra, SHARES)
+        port = await metrics_port(daemon)
+        before = await scrape(port)
+        for operation in ("prepare", "unprepare"):
+            assert value(before, "pcc_device_plugin_dra_requests_total", operation=operation) == 0
+            assert value(before, "pcc_device_plugin_dra_requests_in_flight",
+                         operation=operation) == 0  # fmt: skip
+            assert value(before, "pcc_device_plugin_dra_request_duration_seconds_count",
+                         operation=operation) == 0  # fmt: skip
+        assert value(before, "pcc_device_plugin_dra_prepared_devices") == 0
+        assert not [name for name, _ in before if "allocations" in name or "list_and_watch" in
+                    name or "kubelet_restarts" in name]  # fmt: skip
+        dra.claim("app", "uid-1")
+        dra.api.put_claim("default", "waiting", None, uid="uid-2")
+        claims = [("default", "app", "uid-1"), ("default", "waiting", "uid-2")]
+        await run_blocking(dra.kubelet.prepare, DRIVER, claims)
+        samples = await scrape(port)
+        assert value(samples, "pcc_device_plugin_dra_requests_total", operation="prepare") == 1
+        assert value(samples, "pcc_device_plugin_dra_request_duration_seconds_count",
+                     operation="prepare") == 1  # fmt: skip
+        assert value(samples, "pcc_device_plugin_dra_request_duration_seconds_bucket",
+                     operation="prepare", le="+Inf") == 1  # fmt: skip
+        assert value(samples, "pcc_device_plugin_dra_prepared_devices") == 1
+        assert value(samples, "pcc_device_plugin_dra_prepare_errors_total", reason="claim") == 1
+        assert value(samples, "pcc_device_plugin_dra_api_requests_total", verb="list",
+                     object="resourceslices", code="200") == 1  # fmt: skip
+        assert value(samples, "pcc_device_plugin_dra_api_requests_total", verb="get",
+                     object="resourceclaims", code="200") == 2  # fmt: skip
+        await run_blocking(dra.kubelet.unprepare, DRIVER, claims[:1])
+        samples = await scrape(port)
+        assert value(samples, "pcc_device_plugin_dra_requests_total", operation="unprepare") == 1
+        assert value(samples, "pcc_device_plugin_dra_prepared_devices") == 0
+
+
 async def test_v1beta1_is_served_to_a_kubelet_that_knows_only_it(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:

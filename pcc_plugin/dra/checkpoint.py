@@ -73,9 +73,7 @@ class LockBusy(Exception):
 class Checkpoint:
     """The prepared claims of `driver`, by claim UID, in `directory`."""
 
-    def __init__(
-        self, directory: Path, driver: str, salvage: Callable[[], Claims] = dict
-    ) -> None:
+    def __init__(self, directory: Path, driver: str, salvage: Callable[[], Claims] = dict) -> None:
         self.directory = directory
         self.driver = driver
         self.salvage = salvage

@@ -59,7 +59,12 @@ class ClaimRef:
 
 
 class ClaimError(Exception):
-    """This claim cannot be prepared now; kubelet gets the message and tries again later."""
+    """This claim cannot be prepared now; kubelet gets the message and tries again later.
+    `reason` names the stage, as /metrics counts it (api, claim, unhealthy, cdi)."""
+
+    def __init__(self, message: str, reason: str = "claim") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @attrs.define(eq=False)
@@ -95,11 +100,12 @@ class Preparer:
                     try:
                         answers[claim.uid] = self._prepare(claim, prepared, read)
                     except ClaimError as exc:
-                        self.state.prepared("failed")
+                        self.state.prepare_failed(exc.reason)
                         log.warning("NodePrepareResources %s: %s", claim, exc)
                         answers[claim.uid] = str(exc)
+                self._count(prepared)
         except (OSError, LockBusy) as exc:
-            self.state.prepared("failed", len(claims))
+            self.state.prepare_failed(_stage(exc), len(claims))
             return dict.fromkeys((claim.uid for claim in claims), self._unrecorded(exc))
         return answers
 
@@ -119,7 +125,7 @@ class Preparer:
                             self.cdi_dir, self.driver, claim.uid, self.owner, any_instance=True
                         )
                     except OSError as exc:
-                        self.state.unprepared("failed")
+                        self.state.unprepare_failed("cdi")
                         answers[claim.uid] = f"cannot remove its CDI spec: {exc}"
                         continue
                     known = prepared.pop(claim.uid, None) is not None
@@ -127,8 +133,9 @@ class Preparer:
                     what = "unprepared" if known else "not prepared here, nothing to do"
                     log.log(V1, "NodeUnprepareResources %s: %s", claim, what)
                     answers[claim.uid] = None
+                self._count(prepared)
         except (OSError, LockBusy) as exc:
-            self.state.unprepared("failed", len(claims))
+            self.state.unprepare_failed(_stage(exc), len(claims))
             return dict.fromkeys((claim.uid for claim in claims), self._unrecorded(exc))
         return answers
 
@@ -147,6 +154,7 @@ class Preparer:
                             log.error("Prepared claim %s: %s", uid, exc)
                 log.log(V1, "Checked the CDI specs of %d prepared claims: %d written again",
                         len(prepared), written)  # fmt: skip
+                self._count(prepared)
         except OSError as exc:
             log.error("Prepared claims' CDI specs not checked: %s", exc)
 
@@ -192,7 +200,7 @@ class Preparer:
         outage.over()
 
     def _prepare(
-        self, claim: ClaimRef, prepared: Claims, read: dict[str, dict[str, Any] | str]
+        self, claim: ClaimRef, prepared: Claims, read: dict[str, dict[str, Any] | ClaimError]
     ) -> PreparedClaim:
         if claim.uid in prepared:
             again = prepared[claim.uid]
@@ -205,8 +213,8 @@ class Preparer:
         if found is None:
             # Prepared when this call looked, unprepared by another call since.
             raise ClaimError("it was unprepared while this call prepared it; kubelet tries again")
-        if isinstance(found, str):
-            raise ClaimError(found)
+        if isinstance(found, ClaimError):
+            raise found
         new = PreparedClaim(claim.namespace, claim.name, self._allocated(claim, found))
         if new.devices:
             self._write_spec(claim.uid, new)
@@ -216,11 +224,11 @@ class Preparer:
         self.state.prepared("ok")
         return new
 
-    async def _read(self, claims: list[ClaimRef]) -> dict[str, dict[str, Any] | str]:
+    async def _read(self, claims: list[ClaimRef]) -> dict[str, dict[str, Any] | ClaimError]:
         """Each claim as the API server has it, read at once, or why it could not be read."""
-        found: dict[str, dict[str, Any] | str] = dict.fromkeys(
-            (claim.uid for claim in claims),
-            f"reading the ResourceClaim took over {READ_CLAIMS_TIMEOUT} s",
+        late = ClaimError(f"reading the ResourceClaim took over {READ_CLAIMS_TIMEOUT} s", "api")
+        found: dict[str, dict[str, Any] | ClaimError] = dict.fromkeys(
+            (claim.uid for claim in claims), late
         )
 
         async def read(claim: ClaimRef) -> None:
@@ -228,9 +236,11 @@ class Preparer:
                 found[claim.uid] = await self.get_claim(claim.namespace, claim.name)
             except RequestFailed as error:
                 found[claim.uid] = (
-                    "the ResourceClaim does not exist"
+                    ClaimError("the ResourceClaim does not exist")
                     if status_code(error) == 404
-                    else f"cannot read the ResourceClaim: {describe_error(error)}"
+                    else ClaimError(
+                        f"cannot read the ResourceClaim: {describe_error(error)}", "api"
+                    )
                 )
 
         with trio.move_on_after(READ_CLAIMS_TIMEOUT):
@@ -264,7 +274,7 @@ class Preparer:
             if device is None:
                 raise ClaimError(f"device {name} is not one of this node's")
             if device.problem:
-                raise ClaimError(f"device {name} is unhealthy: {device.problem}")
+                raise ClaimError(f"device {name} is unhealthy: {device.problem}", "unhealthy")
             # A subrequest's results name it `request/subrequest`; containers name the request.
             request = str(result.get("request", "")).partition("/")[0]
             devices.append(PreparedDevice((request,), self.node, name))
@@ -288,7 +298,10 @@ class Preparer:
                 attrs.asdict(claim),
             )  # fmt: skip
         except (OSError, cdi.CdiConflict) as exc:
-            raise ClaimError(f"cannot write its CDI spec: {exc}") from None
+            raise ClaimError(f"cannot write its CDI spec: {exc}", "cdi") from None
+
+    def _count(self, prepared: Claims) -> None:
+        self.state.prepared_devices = sum(len(claim.devices) for claim in prepared.values())
 
     def _unrecorded(self, error: OSError | LockBusy) -> str:
         """Kubelet retries; the operator reads why in the pod's events and here."""
@@ -298,3 +311,7 @@ class Preparer:
             problem = f"cannot record prepared claims in {self.checkpoint.directory}: {error}"
         log.error("%s", problem)
         return problem
+
+
+def _stage(error: OSError | LockBusy) -> str:
+    return "lock" if isinstance(error, LockBusy) else "checkpoint"

@@ -80,6 +80,7 @@ class DraMode:
     async def serve(self, bug_backoff: Backoff) -> None:
         config, inventory = self.config, self.inventory
         api = kube.open_client(config.kubeconfig)
+        api.counted = self.state.api_requested
         checkpoint = Checkpoint(state_dir(config), config.driver_name)
         self.preparer = Preparer(
             config.driver_name, config.node_name, inventory, self.state, checkpoint,

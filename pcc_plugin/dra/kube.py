@@ -117,22 +117,26 @@ class Api:
     def __init__(self, client: httpx.AsyncClient, auth: BearerAuth | None = None) -> None:
         self._client = client
         self._auth = auth
+        # Told of each request: its verb, what it is about, and the status (or "none").
+        self.counted: Callable[[str, str, str], None] = lambda verb, what, code: None
         # Kinds of unexpected error already logged with their traceback (a bug: once each).
         self._unexpected: set[str] = set()
 
     async def get_node(self, name: str) -> Obj:
-        return await self._json("GET", f"/api/v1/nodes/{quote(name, safe='')}")
+        return await self._json("get", "nodes", "GET", f"/api/v1/nodes/{quote(name, safe='')}")
 
     async def node_uid(self, name: str) -> str:
         return str((await self.get_node(name)).get("metadata", {}).get("uid", ""))
 
     async def get_claim(self, namespace: str, name: str) -> Obj:
         where = f"namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"
-        return await self._json("GET", f"{RESOURCE_API}/{where}")
+        return await self._json("get", "resourceclaims", "GET", f"{RESOURCE_API}/{where}")
 
     async def list_slices(self, fields: dict[str, str]) -> tuple[list[Obj], str]:
         """The slices the field selector picks, and the list's resource version."""
-        answer = await self._json("GET", SLICES, params={"fieldSelector": _selector(fields)})
+        answer = await self._json(
+            "list", "resourceslices", "GET", SLICES, params={"fieldSelector": _selector(fields)}
+        )
         items = answer.get("items") or []
         return list(items), str((answer.get("metadata") or {}).get("resourceVersion", ""))
 
@@ -155,7 +159,7 @@ class Api:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(seconds),
         }
-        async with self._streamed("WATCH", SLICES, params) as lines:
+        async with self._streamed("watch", "resourceslices", SLICES, params) as lines:
             opened()
             while True:
                 with trio.move_on_after(WATCH_IDLE):
@@ -178,28 +182,34 @@ class Api:
 
     async def create_slice(self, obj: Obj, *, dry_run: bool = False) -> Obj:
         params = {"fieldManager": FIELD_MANAGER} | ({"dryRun": "All"} if dry_run else {})
-        return await self._json("POST", SLICES, params=params, body=obj)
+        return await self._json("create", "resourceslices", "POST", SLICES, params, obj)
 
     async def replace_slice(self, obj: Obj) -> Obj:
         name = quote(obj["metadata"]["name"], safe="")
-        return await self._json(
-            "PUT", f"{SLICES}/{name}", params={"fieldManager": FIELD_MANAGER}, body=obj
-        )
+        path, params = f"{SLICES}/{name}", {"fieldManager": FIELD_MANAGER}
+        return await self._json("update", "resourceslices", "PUT", path, params, obj)
 
     async def delete_slice(self, name: str) -> None:
-        await self._json("DELETE", f"{SLICES}/{quote(name, safe='')}")
+        await self._json("delete", "resourceslices", "DELETE", f"{SLICES}/{quote(name, safe='')}")
 
     async def close(self) -> None:
         await self._client.aclose()
 
     async def _json(
-        self, method: str, path: str, params: dict[str, str] | None = None, body: Obj | None = None
+        self,
+        verb: str,
+        what: str,
+        method: str,
+        path: str,
+        params: dict[str, str] | None = None,
+        body: Obj | None = None,
     ) -> Obj:
         """One request's answer, whole, within REQUEST_TIMEOUT."""
-        with self._failures(method, path):
+        with self._failures(verb, what, path):
             await self._credentials()
             with trio.fail_after(REQUEST_TIMEOUT):
                 response = await self._client.request(method, path, params=params, json=body)
+                self.counted(verb, what, str(response.status_code))
                 content = response.content
             if len(content) > MAX_ANSWER_BYTES:
                 raise RequestFailed(f"the answer is larger than {MAX_ANSWER_BYTES} bytes")
@@ -212,15 +222,15 @@ class Api:
 
     @contextlib.asynccontextmanager
     async def _streamed(
-        self, method: str, path: str, params: dict[str, str]
+        self, verb: str, what: str, path: str, params: dict[str, str]
     ) -> AsyncIterator[AsyncIterator[bytes]]:
-        """An answer read as it comes, line by line; its head within REQUEST_TIMEOUT."""
-        request_method = "GET" if method == "WATCH" else method
-        with self._failures(method, path):
+        """A GET's answer read as it comes, line by line; its head within REQUEST_TIMEOUT."""
+        with self._failures(verb, what, path):
             await self._credentials()
             with trio.fail_after(REQUEST_TIMEOUT):
-                request = self._client.build_request(request_method, path, params=params)
+                request = self._client.build_request("GET", path, params=params)
                 response = await self._client.send(request, stream=True)
+                self.counted(verb, what, str(response.status_code))
             try:
                 if response.status_code >= 400:
                     with trio.fail_after(REQUEST_TIMEOUT):
@@ -238,30 +248,32 @@ class Api:
             await self._auth.ready()
 
     @contextlib.contextmanager
-    def _failures(self, method: str, path: str) -> Generator[None, None, None]:
-        """Whatever a request fails with, as RequestFailed."""
+    def _failures(self, verb: str, what: str, path: str) -> Generator[None, None, None]:
+        """Whatever a request fails with, as RequestFailed; one without an answer counted."""
         try:
             yield
-        except RequestFailed:
-            raise
+            return
+        except RequestFailed as exc:
+            failed = exc
         except trio.TooSlowError:
-            raise RequestFailed(f"no answer within {REQUEST_TIMEOUT:.0f} s") from None
+            failed = RequestFailed(f"no answer within {REQUEST_TIMEOUT:.0f} s")
         except CredentialError as exc:
-            raise RequestFailed(f"no credentials: {exc}") from None
+            failed = RequestFailed(f"no credentials: {exc}")
         except httpx.RemoteProtocolError as exc:
             # h2's own words for a GOAWAY or a reset are its events' reprs.
-            raise RequestFailed(f"the API server closed the connection ({exc})") from None
-        except httpx.HTTPError as exc:
-            raise RequestFailed(_first_line(exc)) from None
-        except (OSError, ssl.SSLError, ValueError) as exc:
-            raise RequestFailed(_first_line(exc)) from None
+            failed = RequestFailed(f"the API server closed the connection ({exc})")
+        except (httpx.HTTPError, OSError, ssl.SSLError, ValueError) as exc:
+            failed = RequestFailed(_first_line(exc))
         except Exception as exc:
             kind = type(exc).__name__
             if kind not in self._unexpected:
                 self._unexpected.add(kind)
                 log.error("%s %s failed unexpectedly (taken for an API server outage)",
-                          method, path, exc_info=exc)  # fmt: skip
-            raise RequestFailed(f"{kind}: {_first_line(exc)}") from None
+                          verb, path, exc_info=exc)  # fmt: skip
+            failed = RequestFailed(f"{kind}: {_first_line(exc)}")
+        if failed.code is None:
+            self.counted(verb, what, "none")
+        raise failed from None
 
 
 def _selector(fields: dict[str, str]) -> str:

@@ -320,8 +320,10 @@ class Publisher:
         if kind != "DELETED" and self._written.get(name) == version:
             del self._written[name]
             return
-        if self._writing and kind != "DELETED" and (
-            Instance.of(obj, publisher_key(self.pool.driver)) == self.me
+        if (
+            self._writing
+            and kind != "DELETED"
+            and (Instance.of(obj, publisher_key(self.pool.driver)) == self.me)
         ):
             return
         log.log(V1, "ResourceSlice %s %s: looking again", name, kind.lower())
@@ -343,8 +345,10 @@ class Publisher:
         for item in existing.values():
             other = Instance.of(item, key)
             # Never itself: a previous run of this pod (the same token) is this instance.
-            if other is not None and other.token != self.me.token and (
-                other > max(self.me, self.newer or self.me)
+            if (
+                other is not None
+                and other.token != self.me.token
+                and (other > max(self.me, self.newer or self.me))
             ):
                 self.newer = other
         unhealthy = self.unhealthy
