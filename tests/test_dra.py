@@ -379,7 +379,7 @@ async def test_api_server_unreachable_for_a_minute_then_back(
 
 async def outage(dra: DraNode, start_daemon: StartDaemon, seconds: float) -> None:
     """The API server goes; kubelet restarts meanwhile (wiping the slices); it comes back."""
-    with trio.fail_after(seconds + 40):
+    with trio.fail_after(seconds + kube.API_RETRY_CAP + 40):
         daemon = start_daemon(*dra.daemon_args())
         await published(dra, SHARES, generation=1)
         dra.api.stop()

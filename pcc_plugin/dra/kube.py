@@ -50,7 +50,7 @@ EXEC_TIMEOUT = 10.0
 # the whole range: the nodes of a pool that lost the API server together come back spread
 # over about API_RETRY_CAP (docs/dra.md, "What each mode costs").
 API_RETRY_FIRST = 1.0
-API_RETRY_CAP = 30.0
+API_RETRY_CAP = 45.0
 # An error line while the API server cannot be reached, at most this often.
 REPORT_EVERY = 60.0
 # A response being closed: its stream's reset (HTTP/2) or its connection's close is all left.
