@@ -511,9 +511,18 @@ class FakeApiServer(Simulator):
         seconds = float(query.get("timeoutSeconds") or 0) or (
             MIN_REQUEST_TIMEOUT * (1 + random.random())
         )  # fmt: skip
-        end = time.monotonic() + min(seconds, self.max_watch_seconds or seconds)
-        bookmarks = query.get("allowWatchBookmarks") == "true"
-        next_bookmark = time.monotonic() + self.bookmark_every
+        start = time.monotonic()
+        end = start + min(seconds, self.max_watch_seconds or seconds)
+
+        def next_bookmark_after(now: float) -> float | None:
+            # As the cacher schedules them: a minute on, or 2 s before the end if sooner;
+            # none once that is past (a watch shorter than 2 s gets none).
+            at = min(now + self.bookmark_every, end - BOOKMARK_BEFORE_END)
+            return at if at > now else None
+
+        bookmark = (
+            next_bookmark_after(start) if query.get("allowWatchBookmarks") == "true" else None
+        )
         with self._changed:
             server = self._server
             if since > self._version:
@@ -524,11 +533,7 @@ class FakeApiServer(Simulator):
         while True:
             with self._changed:
                 now = time.monotonic()
-                wake = (
-                    min(end, next_bookmark, max(now, end - BOOKMARK_BEFORE_END))
-                    if bookmarks
-                    else end
-                )
+                wake = min(end, bookmark or end)
                 self._changed.wait_for(
                     functools.partial(self._news, server, since), max(0.0, wake - now)
                 )
@@ -548,16 +553,13 @@ class FakeApiServer(Simulator):
             now = time.monotonic()
             if now >= end:
                 return
-            if (
-                bookmarks
-                and not muted
-                and (now >= next_bookmark or now >= end - BOOKMARK_BEFORE_END)
-            ):
-                next_bookmark = now + self.bookmark_every if now >= next_bookmark else end
-                since = max(since, version)
-                mark = {"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1",
-                        "metadata": {"resourceVersion": str(since)}}  # fmt: skip
-                send(json.dumps({"type": "BOOKMARK", "object": mark}).encode() + b"\n")
+            if bookmark is not None and now >= bookmark:
+                bookmark = next_bookmark_after(now)
+                if not muted:
+                    since = max(since, version)
+                    mark = {"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1",
+                            "metadata": {"resourceVersion": str(since)}}  # fmt: skip
+                    send(json.dumps({"type": "BOOKMARK", "object": mark}).encode() + b"\n")
 
 
 def _selected(obj: Obj, query: dict[str, str]) -> bool:
