@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dra_support
 import grpc
 import grpclib.const
 import grpclib.exceptions
@@ -577,7 +578,7 @@ def test_the_config_files_mode_and_the_flag_must_agree(tmp_path: Path) -> None:
 ME = slices.Instance("2026-01-01T00:00:00.000000Z", "me")
 
 
-class FlakyApi:
+class FlakyApi(dra_support.SliceWatcher):
     """kube.Api's slice calls in memory; refuses connections while `down`."""
 
     def __init__(self) -> None:
@@ -600,13 +601,8 @@ class FlakyApi:
         self._answer()
         return [json.loads(json.dumps(obj)) for obj in self.slices.values()], str(self.version)
 
-    async def watch_slices(
-        self,
-        fields: dict[str, Any],
-        version: str,
-        seconds: int,
-        event: Callable[[str, dict[str, Any]], None],
-        opened: Callable[[], None],
+    async def watch(
+        self, version: str, seconds: int, event: dra_support.Event, opened: Callable[[], None]
     ) -> None:
         self._answer()
         opened()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dra_support
 import pytest
 import trio
 import trio.testing
@@ -92,7 +93,7 @@ async def test_an_idle_node_renews_its_watch_where_it_was_and_asks_nothing_else(
         assert "Traceback" not in daemon.log_text()
 
 
-class RenewalApi:
+class RenewalApi(dra_support.SliceWatcher):
     """kube.Api's slice calls in memory, each watch lasting the seconds it asks for."""
 
     def __init__(self) -> None:
@@ -110,13 +111,8 @@ class RenewalApi:
         obj["metadata"]["resourceVersion"] = "2"
         return obj
 
-    async def watch_slices(
-        self,
-        fields: dict[str, str],
-        version: str,
-        seconds: int,
-        event: Callable[[str, dict[str, Any]], None],
-        opened: Callable[[], None],
+    async def watch(
+        self, version: str, seconds: int, event: dra_support.Event, opened: Callable[[], None]
     ) -> None:
         self.watches.append((trio.current_time(), seconds))
         opened()

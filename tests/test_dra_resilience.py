@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dra_support
 import grpclib.const
 import grpclib.exceptions
 import hypothesis
@@ -158,7 +159,7 @@ def checkpoint_text(claims: dict[str, Any]) -> str:
     return json.dumps({"version": 1, "driver": DRIVER, "claims": claims})
 
 
-class MemoryApi:
+class MemoryApi(dra_support.SliceWatcher):
     """kube.Api's node and slice calls, in memory: versions, a watch from a version, 409s."""
 
     def __init__(self) -> None:
@@ -184,13 +185,8 @@ class MemoryApi:
     async def list_slices(self, fields: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
         return [json.loads(json.dumps(obj)) for obj in self.slices.values()], str(self.version)
 
-    async def watch_slices(
-        self,
-        fields: dict[str, Any],
-        version: str,
-        seconds: int,
-        event: Callable[[str, dict[str, Any]], None],
-        opened: Callable[[], None],
+    async def watch(
+        self, version: str, seconds: int, event: dra_support.Event, opened: Callable[[], None]
     ) -> None:
         opened()
         since = int(version)
