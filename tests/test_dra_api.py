@@ -230,6 +230,7 @@ async def test_a_silent_watch_is_replaced_within_its_deadline(
     with trio.fail_after(kube.WATCH_IDLE + 40):
         daemon = start_daemon(*dra.daemon_args())
         await published(dra, SHARES, generation=1)
+        await run_blocking(dra.api.wait_for, lambda: bool(dra.api.watches), WAIT)
         dra.api.mute_watches = True
         watches = len(dra.api.watches)
         await run_blocking(
