@@ -6,7 +6,10 @@ the slices' writes share it and a watch's renewal opens nothing new; HTTP/1.1 ot
 connections kept alive (`KEEPALIVE_EXPIRY`, as client-go's idle connections). TCP keepalive
 probes (`KEEPALIVE`) close a connection whose peer went away without a word (a node or load
 balancer gone, a partition) within `DEAD_PEER_WITHIN`: what client-go finds with HTTP/2 pings,
-which httpx does not send.
+which httpx does not send. A watch is not judged by its silence: kube-apiserver sends a
+bookmark only once its cache has moved past the watch's resource version, which a quiet
+cluster may not do for many minutes; a watch the API server does not end when it was asked to
+(`WATCH_GRACE` after) is dead.
 
 Every request has a deadline of its own (`REQUEST_TIMEOUT`), credentials included: the
 service account's token file is read again when kubelet rotates it (or the API server refuses
@@ -55,9 +58,9 @@ API_RETRY_CAP = 45.0
 REPORT_EVERY = 60.0
 # A response being closed: its stream's reset (HTTP/2) or its connection's close is all left.
 CLOSE_TIMEOUT = 1.0
-# kube-apiserver sends a watch a bookmark every minute (its cacher's bookmarkFrequency), and
-# one 2 s before the watch's timeout: a watch that says nothing for this long is dead.
-WATCH_IDLE = 75.0
+# The API server ends a watch at the timeout it was given (its handler's context); one still
+# open this long after is dead (an API server that hangs with its connection up).
+WATCH_GRACE = 30.0
 # TCP keepalive: probes after this many seconds without a packet, then every interval; the
 # connection is closed once DEAD_PEER_WITHIN passes unanswered (TCP_USER_TIMEOUT also bounds
 # data the peer never acknowledges).
@@ -150,8 +153,8 @@ class Api:
     ) -> None:
         """Call `opened` once the API server took the watch, then pass each event after
         `version` to `event` (bookmarks too), until the API server ends the watch after
-        `seconds`; RequestFailed if it breaks, says nothing for WATCH_IDLE (a dead
-        connection), or ends in an ERROR event (410 Gone once `version` is too old)."""
+        `seconds`; RequestFailed if it breaks, is still open WATCH_GRACE after that (dead),
+        or ends in an ERROR event (410 Gone once `version` is too old)."""
         params = {
             "fieldSelector": _selector(fields),
             "watch": "true",
@@ -161,11 +164,8 @@ class Api:
         }
         async with self._streamed("watch", "resourceslices", SLICES, params) as lines:
             opened()
-            while True:
-                with trio.move_on_after(WATCH_IDLE):
-                    line = await anext(lines, None)
-                    if line is None:
-                        return
+            with trio.move_on_after(seconds + WATCH_GRACE):
+                async for line in lines:
                     try:
                         decoded = json.loads(line)
                         kind, obj = str(decoded["type"]), decoded["object"]
@@ -174,11 +174,11 @@ class Api:
                     if kind == "ERROR":
                         raise _status_failure(obj, 500)
                     event(kind, obj)
-                    continue
-                raise RequestFailed(
-                    f"the watch of ResourceSlices said nothing for {WATCH_IDLE:.0f} s (the API "
-                    "server sends a bookmark every minute): its connection is dead"
-                )
+                return
+            raise RequestFailed(
+                f"the API server did not end the watch of ResourceSlices {WATCH_GRACE:.0f} s "
+                f"after the {seconds} s it was asked for: its connection is dead"
+            )
 
     async def create_slice(self, obj: Obj, *, dry_run: bool = False) -> Obj:
         params = {"fieldManager": FIELD_MANAGER} | ({"dryRun": "All"} if dry_run else {})

@@ -160,9 +160,9 @@ class FakeApiServer(Simulator):
         self.token = "sim-token"
         self.serves_taints = True
         self.bookmark_every = BOOKMARK_EVERY
-        # While set, open watches say nothing, bookmarks included (a hung server, or a
-        # connection whose peer is gone).
-        self.mute_watches = False
+        # While set, open watches say nothing, bookmarks included, and are not ended (a hung
+        # server).
+        self._mute_watches = False
         # Connections accepted, requests answered 401; each watch's query, in order.
         self.connections = 0
         self.unauthorized = 0
@@ -221,6 +221,16 @@ class FakeApiServer(Simulator):
         for connection in connections:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def mute_watches(self) -> bool:
+        return self._mute_watches
+
+    @mute_watches.setter
+    def mute_watches(self, muted: bool) -> None:
+        with self._changed:
+            self._mute_watches = muted
+            self._changed.notify_all()
 
     @property
     def url(self) -> str:
@@ -496,7 +506,7 @@ class FakeApiServer(Simulator):
         return (
             self._server is not server
             or since < self._oldest_watchable
-            or bool(self._events and self._events[-1][0] > since and not self.mute_watches)
+            or bool(self._events and self._events[-1][0] > since and not self._mute_watches)
         )
 
     def check_watch(self, query: dict[str, str]) -> None:
@@ -535,7 +545,8 @@ class FakeApiServer(Simulator):
                 now = time.monotonic()
                 wake = min(end, bookmark or end)
                 self._changed.wait_for(
-                    functools.partial(self._news, server, since), max(0.0, wake - now)
+                    functools.partial(self._news, server, since),
+                    None if self._mute_watches else max(0.0, wake - now),
                 )
                 if self._server is not server:
                     return
@@ -543,7 +554,7 @@ class FakeApiServer(Simulator):
                     gone = status(410, "Expired", f"too old resource version: {since}")
                     send(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
                     return
-                muted = self.mute_watches
+                muted = self._mute_watches
                 pending = [] if muted else [event for event in self._events if event[0] > since]
                 version = self._version
             for event_version, kind, obj in pending:
@@ -551,7 +562,7 @@ class FakeApiServer(Simulator):
                 if _selected(obj, query):
                     send(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
             now = time.monotonic()
-            if now >= end:
+            if now >= end and not muted:
                 return
             if bookmark is not None and now >= bookmark:
                 bookmark = next_bookmark_after(now)
