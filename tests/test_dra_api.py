@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import dra_support
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -323,6 +324,35 @@ async def test_what_a_credential_plugin_does_wrong_is_one_line(
     for pid in plugin_runs(tmp_path / "exec-credential-plugin.py"):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        (KeyError("status"), "KeyError: 'status'"),
+        (OSError(2, "No such file or directory"), "[Errno 2] No such file or directory"),
+        (RuntimeError("a bug"), "RuntimeError: a bug"),
+    ],
+    ids=["KeyError", "OSError", "anything"],
+)
+async def test_whatever_the_client_fails_with_is_a_failed_request(
+    fault: Exception, says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lightkube's exec credential path raised KeyError, OSError and ConfigError out of the DRA
+    mode; every failure on the way to the API server is one RequestFailed (an outage of the
+    API side), an unexpected one logged with its traceback once."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        raise fault
+
+    api = kube.Api(httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://x"))
+    for _ in range(2):
+        with trio.fail_after(5), pytest.raises(kube.RequestFailed) as failed:
+            await api.get_node(NODE)
+        assert str(failed.value).endswith(says)
+        assert failed.value.code is None
+    unexpected = [record for record in caplog.records if record.exc_info]
+    assert len(unexpected) == (0 if isinstance(fault, OSError) else 1)
 
 
 def test_the_keepalive_options_are_ones_this_kernel_takes() -> None:

@@ -121,6 +121,7 @@ class DraMode:
         pool = slices.Pool(config.driver_name, config.node_name, "")
         me = slices.Instance.starting(instance_token(config))
         backoff = Backoff(first=BUG_RESTART_FIRST, cap=BUG_RESTART_CAP)
+        self.unhealthy.say_at_start()
         while True:
             try:
                 await slices.publish(api, pool, me, self._alive, self._wanted,

@@ -180,6 +180,12 @@ class Unhealthy:
                 self.effect,
             )
 
+    def say_at_start(self) -> None:
+        """What the driver will do, before any answer of the API server told it."""
+        log.info("Unhealthy devices will be %s where the API server keeps device taints (its "
+                 "answer to the first one tells; else they are withdrawn)",
+                 self.describe())  # fmt: skip
+
     def describe(self) -> str:
         if self.tainting:
             return f"tainted {self.key}=<cause>:{self.effect}"
