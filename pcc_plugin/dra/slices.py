@@ -266,7 +266,7 @@ class Publisher:
     # Set once a request succeeded since the last failure (publish replaces it then): only
     # then are the slices said to be published, the API server to answer again.
     answered: trio.Event = attrs.Factory(trio.Event)
-    # Called at each event of a watch (a bookmark too): it works.
+    # Called at each event of a watch (a bookmark too), and at its end: it works.
     heard: Callable[[], None] = lambda: None
     # Whether the slices were listed since the last look (said when they need no write).
     _listed: bool = False
@@ -300,6 +300,8 @@ class Publisher:
             )
             if trio.current_time() - started < WATCH_TOO_SHORT and self.version == heard:
                 raise RequestFailed("the API server ended the watch of ResourceSlices at once")
+            # A whole watch: the API server works, whatever failed before is forgotten.
+            self.heard()
             # A look, without a request, at each renewal: a newer instance may be gone.
             self.news.set()
 
