@@ -13,7 +13,13 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
                 └── supervise_resource, one per resource, in a cancel scope of its own: it
                     │                runs Mode.serve, and again, alone, after a bug
                     ├── watch_health          inotify on the device's and mounts' parents
-                    ├── slices.publish        [dra] the node's ResourceSlices: list, write, watch
+                    ├── DraMode.keep_publishing   [dra] slices.publish, again alone after a bug:
+                    │   │                   the node's ResourceSlices listed once, then
+                    │   └── publish's nursery, the first failure ends both (then a wait):
+                    │       ├── Publisher.watch   one watch after another, resumed where it was
+                    │       └── Publisher.keep    the slices written as the node and watch say
+                    ├── Preparer.forget_deleted_claims   [dra] at start: the checkpointed claims
+                    │                       the API server no longer has, forgotten; then ends
                     └── serve_generations     one generation after another (one inotify)
                         ├── wait_for_directory until kubelet has created it
                         └── generation nursery: cancelling it is how the resource restarts
