@@ -87,7 +87,7 @@ def log_versions(session: nox.Session, *names: str) -> None:
 
 
 DEPENDENCIES = ("trio", "grpclib", "h2", "hpack", "betterproto2", "asyncinotify",
-         "attrs", "h11", "pyyaml", "lightkube", "lightkube-models", "httpx", "grpcio",
+         "attrs", "h11", "pyyaml", "httpx", "httpcore", "grpcio",
          "protobuf")  # fmt: skip
 
 

@@ -125,8 +125,10 @@ def _write(
 # DRA mode: one spec per prepared claim, kind `<driver>/claim`, one device named by the claim's
 # UID; every share of a claim brings the same device node and mounts. The file's name is the
 # driver's and the claim's, so a spec there of another instance name is this driver's too (its
-# --instance-name changed since): rewritten and removed as its own.
+# --instance-name changed since): rewritten and removed as its own. It also records the claim
+# as the checkpoint does (`CLAIM_RECORD`, JSON), from which an unreadable checkpoint is rebuilt.
 CLAIM_CLASS = "claim"
+CLAIM_RECORD = "pcc-device-plugin.tke.cloud.tencent.com/claim"
 
 
 def claim_spec_path(directory: Path, driver: str, claim_uid: str) -> Path:
@@ -139,14 +141,36 @@ def claim_device_id(driver: str, claim_uid: str) -> str:
 
 
 def write_claim_spec(
-    directory: Path, driver: str, claim_uid: str, spec: ResourceSpec, device: Device, owner: str
+    directory: Path,
+    driver: str,
+    claim_uid: str,
+    spec: ResourceSpec,
+    device: Device,
+    owner: str,
+    record: dict[str, Any],
 ) -> None:
-    """Write the spec of a prepared claim as instance `owner`; OSError or CdiConflict if not."""
+    """Write the spec of a prepared claim (`record`, as the checkpoint has it) as instance
+    `owner`; OSError or CdiConflict if not."""
     path = claim_spec_path(directory, driver, claim_uid)
     document = build_spec(f"{driver}/{CLAIM_CLASS}", spec, {claim_uid: device}, owner)
+    document["annotations"][CLAIM_RECORD] = json.dumps(record, sort_keys=True)
     problem = _write(path, document, owner, any_instance=True)
     if problem:
         raise CdiConflict(problem)
+
+
+def claim_records(directory: Path, driver: str) -> dict[str, Any]:
+    """The claims recorded in this driver's claim specs, by UID (each as `write_claim_spec`
+    was given it); specs that record none are left out."""
+    found = {}
+    for path in sorted(directory.glob(f"{driver}-{CLAIM_CLASS}_*.json")):
+        uid = path.name.removeprefix(f"{driver}-{CLAIM_CLASS}_").removesuffix(".json")
+        try:
+            document = json.loads(path.read_bytes())
+            found[uid] = json.loads(document["annotations"][CLAIM_RECORD])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 def remove_claim_spec(

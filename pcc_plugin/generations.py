@@ -40,13 +40,15 @@ STABLE_AFTER = 10.0
 class Backoff:
     """Capped exponential backoff with jitter, so plugins do not retry in step.
 
-    The first delay is 0 when `immediate_first`: an isolated fault is acted on
-    at once, and only faults back to back wait. `reset` forgets them.
+    Each delay is a random part, from `least` to all, of its ceiling (`first`, doubling to
+    `cap`). The first delay is 0 when `immediate_first`: an isolated fault is acted on at
+    once, and only faults back to back wait. `reset` forgets them.
     """
 
     first: float = RETRY_FIRST
     cap: float = RETRY_CAP
     immediate_first: bool = False
+    least: float = 0.5
     rng: random.Random = attrs.Factory(random.Random)
     attempt: int = 0
 
@@ -58,7 +60,7 @@ class Backoff:
                 return 0.0
             attempt -= 1
         ceiling = min(self.cap, self.first * 2.0**attempt)
-        jitter: float = self.rng.uniform(0.5, 1.0)
+        jitter: float = self.rng.uniform(self.least, 1.0)
         return ceiling * jitter
 
     def reset(self) -> None:

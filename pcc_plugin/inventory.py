@@ -51,10 +51,10 @@ class Inventory:
     goes to `on_change` (the mode's publisher: the device list kubelet streams, or the
     ResourceSlices), the first look included.
 
-    A resource is not served until its fixed device nodes and mount sources are all in place
-    once (`in_place`): a node whose device or PCC directory comes up after the daemon starts
-    is waited for, said once in the log and on /readyz, instead of being served as unhealthy.
-    After that, a path that goes makes the devices unhealthy.
+    With `wait_at_start`, a resource is not served until its fixed device nodes and mount
+    sources are all in place once (`in_place`): a node whose device or PCC directory comes up
+    after the daemon starts is waited for, said once in the log and on /readyz, instead of
+    being served as unhealthy. After that, a path that goes makes the devices unhealthy.
     """
 
     def __init__(
@@ -63,6 +63,8 @@ class Inventory:
         host_root: str,
         state: ResourceState,
         on_change: Callable[[tuple[Device, ...]], None] = lambda _: None,
+        *,
+        wait_at_start: bool = True,
     ) -> None:
         self.spec = spec
         self.host_root = host_root
@@ -79,6 +81,8 @@ class Inventory:
         # In UTF-8 bytes: a longer ID names no device.
         self.longest_id = 0
         self.in_place = trio.Event()
+        if not wait_at_start:
+            self.in_place.set()
         self._missing: str | None = None
         self._waiting_since = 0.0
         for hazard in opted_in(spec):

@@ -130,13 +130,13 @@ class BlockUse:
         # This container's mounts only: the host's own are not visible here, but those the
         # DaemonSet mounts from it are (the filesystem that holds kubelet's directory).
         mountinfo = procs + "/self/mountinfo"
-        for line in _lines(mountinfo):
+        for line in _file_lines(mountinfo):
             fields = line.split(" ")
             mounted = self.name_of(fields[2]) if len(fields) > 4 else None
             if mounted:
                 self._use(mounted, f"is mounted at {unescape(fields[4])} ({mountinfo})")
         swaps = procs + "/swaps"
-        for line in _lines(swaps)[1:]:
+        for line in _file_lines(swaps)[1:]:
             path = unescape(line.split(maxsplit=1)[0]) if line.strip() else ""
             if path.startswith("/dev/"):
                 self._use(posixpath.basename(path), f"is swap space ({swaps})")
@@ -199,7 +199,7 @@ def _stack(real: str) -> Iterator[list[str]]:
                 todo.append((upper, [*path, posixpath.basename(upper)]))
 
 
-def _lines(path: str) -> list[str]:
+def _file_lines(path: str) -> list[str]:
     try:
         with open(path, encoding="utf-8", errors="replace") as text:
             return text.read().splitlines()

@@ -8,6 +8,7 @@ the daemon is imported, so `--help` and usage errors answer at once.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import resource
@@ -69,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     from pcc_plugin import bridge, supervisor
     from pcc_plugin.errors import FatalError
 
+    # The mode's own modules, before the imports settle (supervisor.py imports them where used).
+    importlib.import_module(
+        "pcc_plugin.dra.driver" if served.mode == "dra" else "pcc_plugin.plugin"
+    )
     settle_after_imports()
     fatal: list[BaseException] = []
     try:

@@ -1,7 +1,7 @@
 """/metrics: the daemon's plain counters, read at scrape time, in Prometheus' text format 0.0.4.
 
 Written here rather than with prometheus_client: the daemon has a dozen
-families and no histograms, and the library (with the http.server, email and
+families and one histogram, and the library (with the http.server, email and
 wsgiref modules it imports) cost 2.5 MiB of every node's memory and 20 ms of
 every start. tests/test_metrics.py parses the output with prometheus_client's
 own parser.
@@ -16,7 +16,7 @@ import resource
 from collections.abc import Iterable, Sequence
 
 from pcc_plugin import __version__
-from pcc_plugin.state import DaemonState
+from pcc_plugin.state import DRA_OPERATIONS, DURATION_BUCKETS, DaemonState, Histogram
 
 Labels = Sequence[tuple[str, str]]
 Sample = tuple[Labels, float]
@@ -91,7 +91,9 @@ def process_families() -> list[str]:
 
 
 def render(daemon: DaemonState) -> bytes:
-    """Every family, read now from the daemon's state."""
+    """Every family of the daemon's mode, read now from its state (a mode's own families are
+    not emitted in the other)."""
+    dra = daemon.mode == "dra"
     families = [
         *process_families(),
         family("pcc_device_plugin_build_info", "gauge", "Build information.",
@@ -113,38 +115,102 @@ def render(daemon: DaemonState) -> bytes:
                [((("resource", each.name), ("cause", cause)), count)
                 for each in daemon.resources
                 for cause, count in sorted(each.registrations.items())]),
-        family("pcc_device_plugin_kubelet_restarts", "counter", "Kubelet restarts seen.",
-               [((("resource", each.name),), each.kubelet_restarts) for each in daemon.resources]),
         family("pcc_device_plugin_backoff_seconds", "counter",
                "Time waited before serving again after the plugin's own faults (never after a "
                "kubelet restart).",
                [((("resource", each.name),), each.backoff_seconds) for each in daemon.resources]),
-        family("pcc_device_plugin_allocations", "counter", "Allocate calls, by result.",
-               [((("resource", each.name), ("result", result)), each.allocations[result])
-                for each in daemon.resources
-                for result in ("ok", "invalid", "unavailable")]),
-        family("pcc_device_plugin_dra_claims", "counter",
-               "--mode=dra: claims answered by NodePrepareResources and NodeUnprepareResources, "
-               "by call and result.",
-               [((("resource", each.name), ("call", call), ("result", result)), counter[result])
-                for each in daemon.resources
-                for call, counter in (("prepare", each.prepares),
-                                      ("unprepare", each.unprepares))
-                for result in ("ok", "failed")]),
         family("pcc_device_plugin_devices", "gauge", "Advertised devices, by health.",
                [sample for each in daemon.resources for sample in (
                    ((("resource", each.name), ("health", "Healthy")), each.healthy_devices),
                    ((("resource", each.name), ("health", "Unhealthy")), each.unhealthy_devices))]),
-        family("pcc_device_plugin_list_and_watch_streams", "gauge", "Open ListAndWatch streams.",
-               [((("resource", each.name),), each.streams_open) for each in daemon.resources]),
         family("pcc_device_plugin_handler_errors", "counter",
                "Unexpected errors in gRPC handlers and connections (bugs), by where.",
                [((("resource", each.name), ("where", where)), count)
                 for each in daemon.resources
                 for where, count in sorted(each.handler_errors.items())]),
         family("pcc_device_plugin_ready", "gauge",
-               "1 when registered with the current kubelet and its ListAndWatch stream is open.",
+               "1 when registered with the current kubelet and its ResourceSlices are published "
+               "(--mode=dra) or its ListAndWatch stream is open.",
                [((("resource", each.name),), 0 if each.not_ready_reason() else 1)
                 for each in daemon.resources]),
+        *(_dra_families(daemon) if dra else _device_plugin_families(daemon)),
     ]  # fmt: skip
     return "".join(families).encode()
+
+
+def _device_plugin_families(daemon: DaemonState) -> list[str]:
+    return [
+        family("pcc_device_plugin_kubelet_restarts", "counter", "Kubelet restarts seen.",
+               [((("resource", each.name),), each.kubelet_restarts) for each in daemon.resources]),
+        family("pcc_device_plugin_allocations", "counter", "Allocate calls, by result.",
+               [((("resource", each.name), ("result", result)), each.allocations[result])
+                for each in daemon.resources
+                for result in ("ok", "invalid", "unavailable")]),
+        family("pcc_device_plugin_list_and_watch_streams", "gauge", "Open ListAndWatch streams.",
+               [((("resource", each.name),), each.streams_open) for each in daemon.resources]),
+    ]  # fmt: skip
+
+
+def _dra_families(daemon: DaemonState) -> list[str]:
+    """The DRA driver's, as an operator of NVIDIA's DRA driver finds them there: calls, their
+    duration and those in flight by operation, the prepared devices, the errors by stage."""
+    resources = daemon.resources
+    return [
+        family("pcc_device_plugin_dra_claims", "counter",
+               "Claims answered by NodePrepareResources and NodeUnprepareResources, by call and "
+               "result.",
+               [((("resource", each.name), ("call", call), ("result", result)), counter[result])
+                for each in resources
+                for call, counter in (("prepare", each.prepares),
+                                      ("unprepare", each.unprepares))
+                for result in ("ok", "failed")]),
+        family("pcc_device_plugin_dra_requests", "counter",
+               "NodePrepareResources and NodeUnprepareResources calls answered, by operation.",
+               [((("resource", each.name), ("operation", operation)), each.dra_calls[operation])
+                for each in resources for operation in DRA_OPERATIONS]),
+        _histogram("pcc_device_plugin_dra_request_duration_seconds",
+                   "Time to answer NodePrepareResources and NodeUnprepareResources, by "
+                   "operation.",
+                   [((("resource", each.name), ("operation", operation)),
+                     each.dra_durations[operation])
+                    for each in resources for operation in DRA_OPERATIONS]),
+        family("pcc_device_plugin_dra_requests_in_flight", "gauge",
+               "NodePrepareResources and NodeUnprepareResources calls being answered.",
+               [((("resource", each.name), ("operation", operation)),
+                 each.dra_in_flight[operation])
+                for each in resources for operation in DRA_OPERATIONS]),
+        family("pcc_device_plugin_dra_prepared_devices", "gauge",
+               "Devices of the claims prepared on this node (the checkpoint's).",
+               [((("resource", each.name),), each.prepared_devices) for each in resources]),
+        family("pcc_device_plugin_dra_prepare_errors", "counter",
+               "Claims NodePrepareResources failed, by why: api (the claim could not be read), "
+               "claim (not allocated here, or recreated), unhealthy (its device), cdi (its "
+               "spec), checkpoint, lock.",
+               [((("resource", each.name), ("reason", reason)), count)
+                for each in resources for reason, count in sorted(each.prepare_errors.items())]),
+        family("pcc_device_plugin_dra_unprepare_errors", "counter",
+               "Claims NodeUnprepareResources failed, by why: cdi, checkpoint, lock.",
+               [((("resource", each.name), ("reason", reason)), count)
+                for each in resources
+                for reason, count in sorted(each.unprepare_errors.items())]),
+        family("pcc_device_plugin_dra_api_requests", "counter",
+               "Requests made of the API server, by verb, what they were about and the status "
+               "it answered (none: no answer).",
+               [((("resource", each.name), ("verb", verb), ("object", what), ("code", code)),
+                 count)
+                for each in resources
+                for (verb, what, code), count in sorted(each.api_requests.items())]),
+    ]  # fmt: skip
+
+
+def _histogram(name: str, help_text: str, series: Iterable[tuple[Labels, Histogram]]) -> str:
+    """One histogram family: per series its cumulative buckets, sum and count."""
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    for labels, histogram in series:
+        shown = ",".join(f'{key}="{_escape_label(text)}"' for key, text in labels)
+        bounds = [*(repr(float(bound)) for bound in DURATION_BUCKETS), "+Inf"]
+        for bound, count in zip(bounds, [*histogram.counts, histogram.observed], strict=True):
+            lines.append(f'{name}_bucket{{{shown},le="{bound}"}} {_number(count)}')
+        lines.append(f"{name}_sum{{{shown}}} {_number(histogram.total)}")
+        lines.append(f"{name}_count{{{shown}}} {_number(histogram.observed)}")
+    return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,28 @@ import trio
 from pcc_plugin.resource import Device, ResourceSpec
 
 log = logging.getLogger(__name__)
+
+# Seconds, for kubelet's DRA calls: answered within 25 s (dra/claims.py), kubelet waits 45.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0)
+# The DRA mode's kubelet calls, as its metrics name them.
+DRA_OPERATIONS = ("prepare", "unprepare")
+
+
+@attrs.define
+class Histogram:
+    """Observations counted into `DURATION_BUCKETS` (each bucket counts those at most its
+    bound, as Prometheus' do), with their sum."""
+
+    counts: list[int] = attrs.Factory(lambda: [0] * len(DURATION_BUCKETS))
+    total: float = 0.0
+    observed: int = 0
+
+    def observe(self, value: float) -> None:
+        for index, bound in enumerate(DURATION_BUCKETS):
+            if value <= bound:
+                self.counts[index] += 1
+        self.total += value
+        self.observed += 1
 
 
 @attrs.define(eq=False)
@@ -56,6 +79,18 @@ class ResourceState:
     unprepares: collections.Counter[str] = attrs.Factory(collections.Counter)
     # Unexpected errors in gRPC handlers and connections, by where.
     handler_errors: collections.Counter[str] = attrs.Factory(collections.Counter)
+    # The DRA mode's kubelet calls by operation: answered, in flight, how long they took; the
+    # claims they failed, by why; the devices of the claims prepared now (the checkpoint's);
+    # the requests it made of the API server, by verb, what they were about and the answer.
+    dra_calls: collections.Counter[str] = attrs.Factory(collections.Counter)
+    dra_in_flight: collections.Counter[str] = attrs.Factory(collections.Counter)
+    dra_durations: dict[str, Histogram] = attrs.Factory(
+        lambda: {operation: Histogram() for operation in DRA_OPERATIONS}
+    )
+    prepare_errors: collections.Counter[str] = attrs.Factory(collections.Counter)
+    unprepare_errors: collections.Counter[str] = attrs.Factory(collections.Counter)
+    prepared_devices: int = 0
+    api_requests: collections.Counter[tuple[str, str, str]] = attrs.Factory(collections.Counter)
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
 
     def not_ready_reason(self) -> str | None:
@@ -151,6 +186,29 @@ class ResourceState:
     def unprepared(self, result: str, claims: int = 1) -> None:
         self.unprepares[result] += claims
 
+    def prepare_failed(self, reason: str, claims: int = 1) -> None:
+        self.prepared("failed", claims)
+        self.prepare_errors[reason] += claims
+
+    def unprepare_failed(self, reason: str, claims: int = 1) -> None:
+        self.unprepared("failed", claims)
+        self.unprepare_errors[reason] += claims
+
+    @contextlib.contextmanager
+    def dra_call(self, operation: str) -> Iterator[None]:
+        """One of kubelet's DRA calls (`operation`), in flight while the block runs."""
+        started = time.monotonic()
+        self.dra_in_flight[operation] += 1
+        try:
+            yield
+        finally:
+            self.dra_in_flight[operation] -= 1
+            self.dra_calls[operation] += 1
+            self.dra_durations[operation].observe(time.monotonic() - started)
+
+    def api_requested(self, verb: str, what: str, code: str) -> None:
+        self.api_requests[(verb, what, code)] += 1
+
     def handler_failed(self, where: str, error: BaseException) -> None:
         """A bug showed in a gRPC handler or connection (`where`, a method's path or
         "connection"): said with its traceback at every verbosity, and counted."""
@@ -183,6 +241,8 @@ class DaemonState:
     specs: list[ResourceSpec]
     path: Path | None
     digest: str
+    # "device-plugin" or "dra": which families /metrics has.
+    mode: str = "device-plugin"
     generation: int = 1
     last_reload_failed: bool = False
     resources: list[ResourceState] = attrs.Factory(list)

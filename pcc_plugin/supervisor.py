@@ -13,7 +13,13 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
                 └── supervise_resource, one per resource, in a cancel scope of its own: it
                     │                runs Mode.serve, and again, alone, after a bug
                     ├── watch_health          inotify on the device's and mounts' parents
-                    ├── slices.publish        [dra] the node's ResourceSlices: list, write, watch
+                    ├── DraMode.keep_publishing   [dra] slices.publish, again alone after a bug:
+                    │   │                   the node's ResourceSlices listed once, then
+                    │   └── publish's nursery, the first failure ends both (then a wait):
+                    │       ├── Publisher.watch   one watch after another, resumed where it was
+                    │       └── Publisher.keep    the slices written as the node and watch say
+                    ├── Preparer.forget_deleted_claims   [dra] at start: the checkpointed claims
+                    │                       the API server no longer has, forgotten; then ends
                     └── serve_generations     one generation after another (one inotify)
                         ├── wait_for_directory until kubelet has created it
                         └── generation nursery: cancelling it is how the resource restarts
@@ -54,9 +60,7 @@ from pcc_plugin.configuration import ConfigError, Served, read, watch_config_fil
 from pcc_plugin.flags import Flags
 from pcc_plugin.generations import Mode, supervise_resource
 from pcc_plugin.klog import V1
-from pcc_plugin.plugin import DevicePluginMode
 from pcc_plugin.resource import ResourceSpec
-from pcc_plugin.service import DevicePlugin
 from pcc_plugin.state import DaemonState, ResourceState
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,7 @@ log = logging.getLogger(__name__)
 
 async def run_daemon(config: Flags, served: Served) -> None:
     path = Path(config.config) if config.config else None
-    daemon = DaemonState(served.specs, path, served.digest)
+    daemon = DaemonState(served.specs, path, served.digest, served.mode)
     reloads, reload_requests = trio.open_memory_channel[str](1)
     resources = Resources(config, served.mode, daemon)
     async with trio.open_nursery() as root:
@@ -152,13 +156,17 @@ class Resources:
 
     def _mode_for(self, spec: ResourceSpec, state: ResourceState) -> Mode:
         config = self.config
+        # Each mode's modules are its own (main.py imports them before it settles): the DRA
+        # mode's API client costs memory, the device plugin's services start time.
         if self.mode == "dra":
-            # Imported only in this mode: the API client costs memory.
             from pcc_plugin.dra.driver import DraMode
 
             log.info("Starting pcc-device-plugin as DRA driver %s: %s x%d on node %s",
                      config.driver_name, spec.name, spec.count, config.node_name)  # fmt: skip
             return DraMode(config, spec, state)
+        from pcc_plugin.plugin import DevicePluginMode
+        from pcc_plugin.service import DevicePlugin
+
         log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
         plugin = DevicePlugin(
             spec,

@@ -4,6 +4,7 @@ the daemon's flags for them; waits on what the API server and kubelet see."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,23 @@ async def registered(dra: DraNode, count: int = 1) -> None:
 
 
 SHARES = [f"pcc-{index}" for index in range(16)]
+
+
+# A watch's events as kube.Api.watch_slices passes them on: (type, object).
+Event = Callable[[str, dict[str, Any]], None]
+
+
+class SliceWatcher:
+    """kube.Api.watch_slices for the tests' in-memory API servers: each says in `watch` what
+    a watch from `version`, ending after `seconds`, does."""
+
+    async def watch_slices(
+        self, fields: dict[str, str], version: str, seconds: int, event: Event,
+        opened: Callable[[], None],
+    ) -> None:  # fmt: skip
+        await self.watch(version, seconds, event, opened)
+
+    async def watch(
+        self, version: str, seconds: int, event: Event, opened: Callable[[], None]
+    ) -> None:
+        raise NotImplementedError

@@ -14,14 +14,14 @@ import os
 import re
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dra_support
 import grpc
 import grpclib.const
 import grpclib.exceptions
-import httpx
 import hypothesis
 import hypothesis.strategies
 import pytest
@@ -33,7 +33,7 @@ from metrics_support import get, metrics_port, scrape, value
 from raw_clients import closed_by_server, connect
 
 from pcc_plugin import configuration, flags, grpc_server
-from pcc_plugin.dra import claims, kube, slices
+from pcc_plugin.dra import claims, kube, slices, taints
 from pcc_plugin.dra import service as dra_service
 from pcc_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
@@ -151,6 +151,51 @@ async def test_registers_publishes_and_prepares_a_claim_idempotently(
         assert "Traceback" not in daemon.log_text()
 
 
+async def test_an_operator_reads_the_driver_in_prometheus(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """What an operator of NVIDIA's DRA driver looks for: calls answered, their duration (a
+    histogram) and those in flight by operation, the devices prepared, the claims failed by
+    why; and what the node costs the API server. The device plugin's families are not there
+    (nor the DRA mode's in the device plugin's, tests/test_metrics.py)."""
+    dra = dra_node
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await published(dra, SHARES)
+        port = await metrics_port(daemon)
+        before = await scrape(port)
+        for operation in ("prepare", "unprepare"):
+            assert value(before, "pcc_device_plugin_dra_requests_total", operation=operation) == 0
+            assert value(before, "pcc_device_plugin_dra_requests_in_flight",
+                         operation=operation) == 0  # fmt: skip
+            assert value(before, "pcc_device_plugin_dra_request_duration_seconds_count",
+                         operation=operation) == 0  # fmt: skip
+        assert value(before, "pcc_device_plugin_dra_prepared_devices") == 0
+        assert not [name for name, _ in before if "allocations" in name or "list_and_watch" in
+                    name or "kubelet_restarts" in name]  # fmt: skip
+        dra.claim("app", "uid-1")
+        dra.api.put_claim("default", "waiting", None, uid="uid-2")
+        claims = [("default", "app", "uid-1"), ("default", "waiting", "uid-2")]
+        await run_blocking(dra.kubelet.prepare, DRIVER, claims)
+        samples = await scrape(port)
+        assert value(samples, "pcc_device_plugin_dra_requests_total", operation="prepare") == 1
+        assert value(samples, "pcc_device_plugin_dra_request_duration_seconds_count",
+                     operation="prepare") == 1  # fmt: skip
+        assert value(samples, "pcc_device_plugin_dra_request_duration_seconds_bucket",
+                     operation="prepare", le="+Inf") == 1  # fmt: skip
+        assert value(samples, "pcc_device_plugin_dra_prepared_devices") == 1
+        assert value(samples, "pcc_device_plugin_dra_prepare_errors_total", reason="claim") == 1
+        assert value(samples, "pcc_device_plugin_dra_api_requests_total", verb="list",
+                     object="resourceslices", code="200") == 1  # fmt: skip
+        assert value(samples, "pcc_device_plugin_dra_api_requests_total", verb="get",
+                     object="resourceclaims", code="200") == 2  # fmt: skip
+        await run_blocking(dra.kubelet.unprepare, DRIVER, claims[:1])
+        samples = await scrape(port)
+        assert value(samples, "pcc_device_plugin_dra_requests_total", operation="unprepare") == 1
+        assert value(samples, "pcc_device_plugin_dra_prepared_devices") == 0
+
+
 async def test_v1beta1_is_served_to_a_kubelet_that_knows_only_it(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
@@ -232,7 +277,9 @@ async def test_malformed_requests_are_invalid_argument(
 async def test_devices_withdrawn_while_the_pcc_dir_is_gone_and_back_after(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
-    """Where the API server serves no device taints (test_dra_devices.py: where it does)."""
+    """Where the API server serves no device taints (test_dra_devices.py: where it does). The
+    driver learns it from the first write with a taint (generation 2): the API server drops
+    them."""
     dra = dra_node
     dra.api.serves_taints = False
     with trio.fail_after(30):
@@ -241,13 +288,13 @@ async def test_devices_withdrawn_while_the_pcc_dir_is_gone_and_back_after(
         await published(dra, SHARES, generation=1)
         pcc_dir = dra.node.pcc_dir
         pcc_dir.rmdir()
-        await published(dra, [], generation=2)
+        await published(dra, [], generation=3)
         # A claim allocated before cannot be prepared on a gone device; kubelet is told why.
         dra.claim("late", "uid-late")
         answer = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "late", "uid-late")])
         assert answer.claims["uid-late"].error.startswith("device pcc-3 is unhealthy: detect ")
         pcc_dir.mkdir()
-        await published(dra, SHARES, generation=3)
+        await published(dra, SHARES, generation=4)
 
 
 async def test_kubelet_restart_wipes_the_slices_and_the_driver_publishes_them_again(
@@ -333,7 +380,7 @@ async def test_api_server_unreachable_for_a_minute_then_back(
 
 async def outage(dra: DraNode, start_daemon: StartDaemon, seconds: float) -> None:
     """The API server goes; kubelet restarts meanwhile (wiping the slices); it comes back."""
-    with trio.fail_after(seconds + 40):
+    with trio.fail_after(seconds + kube.API_RETRY_CAP + 40):
         daemon = start_daemon(*dra.daemon_args())
         await published(dra, SHARES, generation=1)
         dra.api.stop()
@@ -531,7 +578,7 @@ def test_the_config_files_mode_and_the_flag_must_agree(tmp_path: Path) -> None:
 ME = slices.Instance("2026-01-01T00:00:00.000000Z", "me")
 
 
-class FlakyApi:
+class FlakyApi(dra_support.SliceWatcher):
     """kube.Api's slice calls in memory; refuses connections while `down`."""
 
     def __init__(self) -> None:
@@ -544,7 +591,7 @@ class FlakyApi:
     def _answer(self) -> None:
         self.attempts += 1
         if self.down:
-            raise httpx.ConnectError("connection refused")
+            raise kube.RequestFailed("connection refused")
 
     async def node_uid(self, name: str) -> str:
         self._answer()
@@ -554,13 +601,12 @@ class FlakyApi:
         self._answer()
         return [json.loads(json.dumps(obj)) for obj in self.slices.values()], str(self.version)
 
-    async def watch_slices(
-        self, fields: dict[str, Any], version: str
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    async def watch(
+        self, version: str, seconds: int, event: dra_support.Event, opened: Callable[[], None]
+    ) -> None:
         self._answer()
+        opened()
         await self.changed.wait()
-        self._answer()
-        yield "DELETED", {"metadata": {"name": "gone", "resourceVersion": "0"}}
 
     async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         self._answer()
@@ -591,11 +637,13 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
         nursery.start_soon(
             slices.publish, api, slices.Pool(DRIVER, NODE, ""), ME, lambda other: False,
             lambda pool: slices.desired(pool, spec, devices), lambda: change, stats,
+            taints.Unhealthy(DRIVER),
         )  # fmt: skip
         await trio.sleep(600)
         assert "connection refused" in str(stats.not_ready_reason())
-        # Doubling from RETRY_FIRST to RETRY_CAP: a few quick tries, then one per cap at most.
-        assert 600 / kube.API_RETRY_CAP <= api.attempts <= 600 / (kube.API_RETRY_CAP / 2) + 8
+        # Doubling from RETRY_FIRST to RETRY_CAP, each a random part of its ceiling: a few
+        # quick tries, then one per half the cap on average.
+        assert 600 / kube.API_RETRY_CAP <= api.attempts <= 1.5 * 600 / (kube.API_RETRY_CAP / 2)
         # Once a minute: at the first retry a minute or more after the last report.
         errors = [r for r in caplog.records if r.levelname == "ERROR"]
         every = kube.REPORT_EVERY
@@ -676,18 +724,21 @@ def test_a_checkpoint_of_version_1_is_read_typed_and_written_as_it_was(tmp_path:
     ["{not json", CHECKPOINT_V1.replace('"version": 1', '"version": 2'), '{"version": 1}'],
     ids=["not JSON", "another version", "no claims"],
 )
-def test_an_unreadable_checkpoint_is_kept_aside_and_the_driver_starts_empty(
+def test_an_unreadable_checkpoint_is_kept_aside_and_rebuilt_from_what_else_records_it(
     tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Moved aside (an operator can see it), and written again from the claims' CDI specs
+    (test_dra_resilience.py: the daemon's own), here none."""
     (tmp_path / "checkpoint.json").write_text(text)
     assert Checkpoint(tmp_path, DRIVER).read() == {}
     assert (tmp_path / "checkpoint.json.unreadable").read_text() == text
-    assert not (tmp_path / "checkpoint.json").exists()
+    assert Checkpoint(tmp_path, DRIVER).read() == {}
     (record,) = caplog.records
     assert record.levelno == logging.ERROR
     assert record.getMessage().startswith(
         f"Checkpoint {tmp_path / 'checkpoint.json'} was unreadable"
     )
+    assert record.getMessage().endswith("0 prepared claims taken from their CDI specs")
 
 
 async def test_missing_credentials_are_one_line_and_exit_1(
@@ -710,8 +761,8 @@ async def test_missing_credentials_are_one_line_and_exit_1(
 async def test_an_exec_credential_plugin_of_either_version_gets_the_token(
     dra_node: DraNode, start_daemon: StartDaemon, version: str
 ) -> None:
-    """A kubeconfig whose user runs a command (as cloud providers' do): the command runs on
-    asyncio's side (trio cannot run lightkube's subprocess), told what client-go tells it."""
+    """A kubeconfig whose user runs a command (as cloud providers' do), told what client-go
+    tells it."""
     kubeconfig = dra_node.api.write_kubeconfig(dra_node.node.root / "exec.json", version)
     args = [arg for arg in dra_node.daemon_args() if not arg.startswith("--kubeconfig=")]
     with trio.fail_after(30):

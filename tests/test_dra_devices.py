@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import re
 import shutil
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import httpx
 import pytest
 import trio
 import trio.testing
@@ -28,7 +26,6 @@ import yaml
 from daemon_support import log_line
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
 from kernel_support import Sysfs
-from lightkube.core.exceptions import ApiError
 
 from pcc_plugin import flags
 from pcc_plugin._proto import v1 as health_api
@@ -37,7 +34,6 @@ from pcc_plugin.flags import PROG
 from pcc_plugin.resource import Device, pcc_resource, take_inventory
 from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
 from pcc_plugin.sim.dra import SimDraKubelet
-from pcc_plugin.state import ResourceState
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = f"{DRIVER}/unhealthy"
@@ -187,15 +183,16 @@ async def test_an_unhealthy_device_stays_listed_with_a_taint_that_says_why(
     dra = dra_node
     with trio.fail_after(40):
         daemon = start_daemon(*dra.daemon_args())
+        await published(dra, SHARES, generation=1)
+        assert taints_of(dra) == {key: [] for key in SHARES}
+        dra.node.pcc_dir.rmdir()
+        await published(dra, SHARES, generation=2)
+        # Learnt from the answer to the first write with a taint.
         await log_line(
             daemon,
             f"Unhealthy devices will be tainted {KEY}=<cause>:NoSchedule: the API server "
             "serves device taints",
         )
-        await published(dra, SHARES, generation=1)
-        assert taints_of(dra) == {key: [] for key in SHARES}
-        dra.node.pcc_dir.rmdir()
-        await published(dra, SHARES, generation=2)
         tainted = taints_of(dra)
         (taint,) = tainted["pcc-3"]
         assert {key: taint[key] for key in ("key", "value", "effect")} == {
@@ -219,93 +216,174 @@ async def test_an_unhealthy_device_stays_listed_with_a_taint_that_says_why(
         assert "Traceback" not in daemon.log_text()
 
 
-async def test_no_execute_taints_where_the_operator_wants_the_pods_evicted(
+# As an earlier run of the driver wrote it, long before this one started.
+EARLIER = "2026-01-01T00:00:00Z"
+
+
+def slice_tainted_at(dra: DraNode, added: str, effect: str = "NoSchedule") -> None:
+    """The node's slice as an earlier run left it: every share tainted since `added`."""
+    taint = {"key": KEY, "value": "var-run-pcc-missing", "effect": effect, "timeAdded": added}
+    pool = slices.Pool(DRIVER, NODE, dra.api.nodes[NODE]["metadata"]["uid"])
+    devices = tuple(Device(f"pcc-{i}", "pcc", SPEC.device_nodes, None) for i in range(16))
+    facts = node_facts.read_facts(str(dra.node.host_root))
+    (obj,) = slices.desired(pool, SPEC, devices, node=facts)
+    for device in obj["spec"]["devices"]:
+        device["taints"] = [taint]
+    obj["spec"]["pool"]["generation"] = 7
+    dra.api.answer("POST", "/apis/resource.k8s.io/v1/resourceslices", {}, obj)
+
+
+def with_config(dra: DraNode) -> list[str]:
+    """The daemon's arguments with the PCC profile as a --config file: it starts whatever the
+    node has (without, it waits for the device and the PCC directory)."""
+    config = dra.node.root / "pcc.yaml"
+    config.write_text("mode: dra\n" + (ROOT / "docs" / "examples" / "pcc.yaml").read_text())
+    return [*dra.daemon_args(), f"--config={config}"]
+
+
+async def test_a_restarted_driver_keeps_the_time_its_taint_was_added(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
+    """A restart or a rollout does not restart the countdown of a NoExecute taint's
+    tolerationSeconds: the time comes from the slice, as upstream's controller keeps it."""
+    dra = dra_node
+    dra.node.pcc_dir.rmdir()
+    slice_tainted_at(dra, EARLIER)
+    with trio.fail_after(30):
+        daemon = start_daemon(*with_config(dra))
+        await registered(dra)
+        await run_blocking(dra.api.wait_for, lambda: bool(dra.api.watches), WAIT)
+        # Kubelet's start deletes the slice: written again, the time still the earlier one's.
+        await run_blocking(dra.kubelet.restart)
+        await published(dra, SHARES)
+        assert {taint["timeAdded"] for each in taints_of(dra).values() for taint in each} == {
+            EARLIER
+        }
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_no_execute_only_once_the_problem_lasted(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """The device gone is tainted NoSchedule at once (no new claim gets it), and NoExecute
+    (its pods evicted) only once that lasted NO_EXECUTE_AFTER: taints.py says why. A slice of
+    an earlier run, tainted long enough ago, is NoExecute at once, from then."""
     dra = dra_node
     with trio.fail_after(30):
-        start_daemon(*dra.daemon_args(), "--unhealthy-taint-effect=NoExecute")
+        daemon = start_daemon(*dra.daemon_args(), "--unhealthy-taint-effect=NoExecute")
         await published(dra, SHARES, generation=1)
         dra.node.device.unlink()
         await published(dra, SHARES, generation=2)
         (taint,) = taints_of(dra)["pcc-0"]
-        assert (taint["value"], taint["effect"]) == ("dev-sev-guest-missing", "NoExecute")
+        assert (taint["value"], taint["effect"]) == ("dev-sev-guest-missing", "NoSchedule")
+        assert daemon.terminate() == 0
+    dra.api.delete_slices(NODE)
+    dra.node.device.symlink_to("/dev/null")
+    dra.node.pcc_dir.rmdir()
+    slice_tainted_at(dra, EARLIER)
+    with trio.fail_after(30):
+        start_daemon(*with_config(dra), "--unhealthy-taint-effect=NoExecute")
+
+        def evicting() -> bool:
+            return [(taint["effect"], taint["timeAdded"]) for taint in taints_of(dra)["pcc-0"]
+                    ] == [("NoExecute", "2026-01-01T00:00:30Z")]  # fmt: skip
+
+        await run_blocking(dra.api.wait_for, evicting, WAIT)
+
+
+async def test_no_execute_waits_and_a_short_gap_never_evicts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    unhealthy = taints.Unhealthy(DRIVER, "NoExecute")
+    gone = Device("pcc-0", "pcc", (), "gone", "dev-sev-guest-missing")
+    back = Device("pcc-0", "pcc", (), None)
+    unhealthy.seen((gone,))
+    assert unhealthy.taints(gone)[0]["effect"] == "NoSchedule"
+    assert unhealthy.due_in() == taints.NO_EXECUTE_AFTER
+    await trio.sleep(taints.NO_EXECUTE_AFTER - 1)
+    unhealthy.seen((back,))
+    assert unhealthy.due_in() is None
+    unhealthy.seen((gone,))
+    await trio.sleep(taints.NO_EXECUTE_AFTER - 1)
+    assert unhealthy.taints(gone)[0]["effect"] == "NoSchedule"
+    await trio.sleep(1)
+    assert unhealthy.due_in() is None
+    assert unhealthy.taints(gone)[0]["effect"] == "NoExecute"
 
 
 async def test_without_device_taints_unhealthy_devices_are_withdrawn_and_it_is_said(
     dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
     """An API server without DRADeviceTaints drops the field: the driver sees it dropped
-    from its dry run at start, and withdraws (test_dra.py follows the withdrawal); NoExecute
-    cannot be had, which is said too."""
+    from the answer to its write, and withdraws the device at once (test_dra.py follows the
+    withdrawal); NoExecute cannot be had, which is said too."""
     dra = dra_node
     dra.api.serves_taints = False
     with trio.fail_after(30):
         daemon = start_daemon(*dra.daemon_args(), "--unhealthy-taint-effect=NoExecute")
+        await published(dra, SHARES, generation=1)
+        dra.node.device.unlink()
         await log_line(
             daemon,
             "Unhealthy devices will be withdrawn from the ResourceSlices: the API server dropped "
             "a device taint it was sent (DRADeviceTaints is off)",
         )
-        await published(dra, SHARES, generation=1)
+        await published(dra, [])
         assert (
             "--unhealthy-taint-effect=NoExecute cannot be honoured without device taints: pods "
             "keep running on a device that goes"
         ) in daemon.log_text()
-        # The dry run left nothing behind.
-        assert [obj["metadata"]["name"] for obj in dra.slices()] == [f"{NODE}-{DRIVER}-0"]
 
 
-class ProbedApi:
-    """The API server as `taints.choose` sees it: unreachable `down` times, then it answers
-    with `answer` (a slice, or a status code to refuse with)."""
-
-    def __init__(self, down: int, answer: int | None) -> None:
-        self.down = down
-        self.answer = answer
-        self.asked = 0
-
-    async def create_slice(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
-        assert dry_run
-        self.asked += 1
-        if self.asked <= self.down:
-            raise httpx.ConnectError("connection refused")
-        if self.answer is not None:
-            status = {"code": self.answer, "reason": "Forbidden", "message": "a policy of yours"}
-            raise ApiError(status=status)
-        return obj
-
-
-async def test_choosing_waits_for_the_api_server_and_a_refusal_means_withdrawal(
-    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+async def test_an_api_server_that_stops_serving_taints_gets_the_device_withdrawn(
+    dra_node: DraNode, start_daemon: StartDaemon
 ) -> None:
-    caplog.set_level(logging.INFO, logger="pcc_plugin.dra.taints")
-    state = ResourceState("x", needs_stream=False, registered=True)
-    reachable: Any = ProbedApi(down=5, answer=None)
-    unhealthy = taints.Unhealthy(DRIVER)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(taints.choose, reachable, unhealthy, NODE, state)
-        await trio.sleep(1)
-        # Not ready while it cannot ask: the slices wait for the answer.
-        assert (
-            "asking whether the API server serves device taints failed: the API server cannot be "
-            "reached: connection " in str(state.not_ready_reason())
-        )
-    assert unhealthy.tainting
-    assert reachable.asked == 6
-    refusing: Any = ProbedApi(down=0, answer=403)
-    unhealthy = taints.Unhealthy(DRIVER)
-    with trio.fail_after(1):
-        await taints.choose(refusing, unhealthy, NODE, state)
-    assert not unhealthy.tainting
-    assert (
-        "Unhealthy devices will be withdrawn from the ResourceSlices: a dry-run ResourceSlice "
-        "with a taint was refused: 403 Forbidden: a policy of yours"
-    ) in caplog.text
+    """DRADeviceTaints turned off in the API server after the driver found it on: the next
+    taint is dropped, and the device withdrawn at once, not left allocatable (nor written
+    again and again)."""
+    dra = dra_node
+    dra.node.pcc_dir.rmdir()
+    with trio.fail_after(40):
+        daemon = start_daemon(*with_config(dra))
+        await published(dra, SHARES, generation=1)
+        assert all(taints_of(dra).values())
+        await log_line(daemon, "the API server serves device taints")
+        dra.api.serves_taints = False
+        dra.node.pcc_dir.mkdir()
+        await published(dra, SHARES, generation=2)
+        dra.node.pcc_dir.rmdir()
+        await published(dra, [], generation=4)
+        await log_line(daemon, "DRADeviceTaints is off")
+        assert dra.api.slice_writes() == 4
+        assert "Traceback" not in daemon.log_text()
 
 
-def test_a_taint_keeps_its_time_while_its_cause_holds(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = iter(["2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"])
+async def test_an_api_server_that_serves_taints_again_is_asked_when_a_device_goes(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """DRADeviceTaints turned on after the driver found it off: a device that goes asks again
+    (a dry run, only then), and is tainted."""
+    dra = dra_node
+    dra.api.serves_taints = False
+    dra.node.pcc_dir.rmdir()
+    with trio.fail_after(40):
+        daemon = start_daemon(*with_config(dra))
+        await published(dra, [], generation=2)
+        dra.api.serves_taints = True
+        dra.node.pcc_dir.mkdir()
+        await published(dra, SHARES, generation=3)
+        dra.node.pcc_dir.rmdir()
+        await published(dra, SHARES, generation=4)
+        assert all(taints_of(dra).values())
+        assert "POST /apis/resource.k8s.io/v1/resourceslices" in dra.api.requests
+        await log_line(daemon, "the API server serves device taints")
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_a_taint_keeps_its_time_while_its_cause_holds(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = iter([1767225600.0, 1767225660.0, 1767225720.0])
     monkeypatch.setattr(taints, "_now", lambda: next(clock))
     unhealthy = taints.Unhealthy(DRIVER, "NoSchedule", tainting=True)
     gone = Device("pcc-0", "pcc", (), "gone", "dev-sev-guest-missing")
@@ -320,7 +398,7 @@ def test_a_taint_keeps_its_time_while_its_cause_holds(monkeypatch: pytest.Monkey
     }]  # fmt: skip
 
 
-def test_tainting_slices_hold_64_devices_whatever_their_health() -> None:
+async def test_tainting_slices_hold_64_devices_whatever_their_health() -> None:
     spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 130, "/dev/sev-guest", "/var/run/pcc")
     pool = slices.Pool(DRIVER, NODE, "node-uid")
     unhealthy = taints.Unhealthy(DRIVER, tainting=True)

@@ -11,13 +11,15 @@ only minutes show. `nox -s cluster` shows the rollout and an outage on a real cl
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dra_support
 import grpclib.const
 import grpclib.exceptions
 import hypothesis
@@ -26,14 +28,13 @@ import pytest
 import trio
 import trio.testing
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
-from lightkube.core.exceptions import ApiError
 from metrics_support import get, metrics_port
 
 from pcc_plugin import grpc_server, wire
 from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1
-from pcc_plugin.dra import claims, slices
+from pcc_plugin.dra import claims, kube, slices, taints
 from pcc_plugin.dra import service as dra_service
-from pcc_plugin.dra.checkpoint import Checkpoint
+from pcc_plugin.dra.checkpoint import Checkpoint, LockBusy, PreparedClaim
 from pcc_plugin.inventory import Inventory
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import StartDaemon, run_blocking
@@ -158,7 +159,7 @@ def checkpoint_text(claims: dict[str, Any]) -> str:
     return json.dumps({"version": 1, "driver": DRIVER, "claims": claims})
 
 
-class MemoryApi:
+class MemoryApi(dra_support.SliceWatcher):
     """kube.Api's node and slice calls, in memory: versions, a watch from a version, 409s."""
 
     def __init__(self) -> None:
@@ -184,15 +185,18 @@ class MemoryApi:
     async def list_slices(self, fields: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
         return [json.loads(json.dumps(obj)) for obj in self.slices.values()], str(self.version)
 
-    async def watch_slices(
-        self, fields: dict[str, Any], version: str
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    async def watch(
+        self, version: str, seconds: int, event: dra_support.Event, opened: Callable[[], None]
+    ) -> None:
+        opened()
         since = int(version)
-        while True:
-            for number, kind, obj in [event for event in self.events if event[0] > since]:
-                since = number
-                yield kind, json.loads(json.dumps(obj))
-            await self.changed.wait()
+        with trio.move_on_after(seconds):
+            while True:
+                changed = self.changed
+                for number, kind, obj in [each for each in self.events if each[0] > since]:
+                    since = number
+                    event(kind, json.loads(json.dumps(obj)))
+                await changed.wait()
 
     async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         name = obj["metadata"]["name"]
@@ -215,8 +219,8 @@ class MemoryApi:
         self._bump("DELETED", self.slices.pop(name))
 
 
-def conflict(reason: str) -> ApiError:
-    return ApiError(status={"code": 409, "reason": reason, "message": "written meanwhile"})
+def conflict(reason: str) -> kube.RequestFailed:
+    return kube.RequestFailed(f"409 {reason}: written meanwhile", 409, reason)
 
 
 SPEC = pcc_resource("tke.cloud.tencent.com/pcc-device", 16, "/dev/sev-guest", "/var/run/pcc")
@@ -237,7 +241,9 @@ async def test_what_the_publisher_remembers_of_its_writes_stays_bounded(
         return slices.desired(pool, SPEC, HEALTHY if healthy[0] else ())
 
     publisher = slices.Publisher(api, slices.Pool(DRIVER, NODE, api.node), wanted, OLDER,
-                                 lambda other: True, slices.WriteBudget(burst=200))  # fmt: skip
+                                 lambda other: True, taints.Unhealthy(DRIVER),
+                                 slices.WriteBudget(burst=200))  # fmt: skip
+    await publisher.relist()
     for _ in range(200):
         healthy[0] = not healthy[0]
         await publisher.reconcile()
@@ -265,7 +271,7 @@ def publishing(
             await slices.publish(
                 api, slices.Pool(DRIVER, NODE, ""), me, alive,
                 lambda pool: slices.desired(pool, spec, devices), trio.Event,
-                ResourceState("x", needs_stream=False, registered=True),
+                ResourceState("x", needs_stream=False, registered=True), taints.Unhealthy(DRIVER),
             )  # fmt: skip
 
     nursery.start_soon(run)
@@ -322,7 +328,7 @@ async def test_once_the_newer_instance_is_gone_the_older_publishes_again(
         assert paths_in(api) == {"/var/run/pcc-b"}
         newer.cancel()
         running.remove(NEWER)
-        await trio.sleep(slices.WATCH_RENEW)
+        await trio.sleep(slices.WATCH_SECONDS[1])
         assert paths_in(api) == {"/var/run/pcc"}
         assert writes_by(api, OLDER) == 2
         nursery.cancel_scope.cancel()
@@ -478,6 +484,167 @@ async def test_a_claim_prepared_under_another_instance_name_is_unprepared_whole(
         assert dra.checkpoint() == {}
         assert not cdi_spec(dra, "uid-1").exists()
         assert "Traceback" not in second.log_text()
+
+
+async def test_an_instance_never_defers_to_its_own_pod(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """A container restarted in the same pod (the same --pod-uid) after the clock stepped back
+    (NTP at boot, a VM resumed): what its previous run stamped looks newer, and that run's DRA
+    socket, which is its own, takes connections. It is itself, not a newer instance."""
+    dra = dra_node
+    (dra.node.host_root / "var" / "run" / "pcc-b").mkdir()
+    pool = slices.Pool(DRIVER, NODE, dra.api.nodes[NODE]["metadata"]["uid"])
+    (before,) = slices.desired(pool, OTHER_SPEC, OTHER)
+    stamp = slices.Instance("2099-01-01T00:00:00.000000Z", OLD_UID).stamp()
+    before["metadata"]["annotations"] = {slices.publisher_key(DRIVER): stamp}
+    before["spec"]["pool"]["generation"] = 3
+    dra.api.answer("POST", "/apis/resource.k8s.io/v1/resourceslices", {}, before)
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args(), f"--pod-uid={OLD_UID}")
+        await run_blocking(dra.api.wait_for, lambda: mount_paths(dra) == {"/var/run/pcc"}, WAIT)
+        assert "left to instance" not in daemon.log_text()
+
+
+async def test_the_checkpoints_fsyncs_leave_the_event_loop_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saturated disk makes each fsync of the checkpoint wait: the call that writes it waits,
+    not kubelet's other calls, the health streams and the probes (the event loop)."""
+    released = threading.Event()
+    fsync = os.fsync
+
+    def slow_fsync(descriptor: int) -> None:
+        released.wait(10)
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    timer = threading.Timer(1.0, released.set)
+    checkpoint = Checkpoint(tmp_path, DRIVER)
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            ticks.append(trio.current_time())
+            await trio.sleep(0.02)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tick)
+            timer.start()
+            async with checkpoint.locked() as prepared:
+                prepared["uid-1"] = PreparedClaim("default", "app", ())
+            nursery.cancel_scope.cancel()
+    timer.cancel()
+    assert ticks[-1] - ticks[0] >= 0.9
+    assert max(later - earlier for earlier, later in itertools.pairwise(ticks)) < 0.5
+    assert Checkpoint(tmp_path, DRIVER).peek() == {"uid-1": PreparedClaim("default", "app", ())}
+
+
+async def test_calls_that_give_up_on_the_lock_leave_trios_threads_alone(tmp_path: Path) -> None:
+    """The other pod of a rollout hangs holding the lock: every call that gives up leaves its
+    wait behind (a thread cannot be stopped), one thread at most, of a limiter of its own;
+    the daemon's other threads (trio's 40) stay free, and the lock is had once let go."""
+    other = os.open(tmp_path / "serialize.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    checkpoint = Checkpoint(tmp_path, DRIVER)
+    try:
+        for _ in range(50):
+            with pytest.raises(LockBusy):
+                async with checkpoint.locked(0.01):
+                    pass
+        with trio.fail_after(5):
+            assert await trio.to_thread.run_sync(lambda: 7) == 7
+    finally:
+        os.close(other)
+    with trio.fail_after(5):
+        async with checkpoint.locked(5) as prepared:
+            assert prepared == {}
+
+
+def claim_spec(dra: DraNode, uid: str, owner: str) -> Path:
+    """A claim's CDI spec as instance `owner` wrote it, whose record may never have reached the
+    checkpoint (a crash between the two)."""
+    path = cdi_spec(dra, uid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "cdiVersion": "0.6.0",
+        "kind": f"{DRIVER}/claim",
+        "annotations": {"pcc-device-plugin.tke.cloud.tencent.com/instance": owner},
+        "devices": [{"name": uid, "containerEdits": {}}],
+    }
+    path.write_text(json.dumps(document))
+    return path
+
+
+async def test_a_spec_written_before_a_crash_is_removed_under_a_new_instance_name(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """The driver wrote a claim's spec and died before its checkpoint said so; kubelet, which
+    never heard, unprepares the claim from the next pod, renamed (--instance-name) meanwhile:
+    the spec is this driver's (its name says so) and goes."""
+    dra = dra_node
+    spec = claim_spec(dra, "uid-crashed", "before")
+    with trio.fail_after(30):
+        start_daemon(*dra.daemon_args(), "--instance-name=after")
+        await registered(dra)
+        gone = await run_blocking(
+            dra.kubelet.unprepare, DRIVER, [("default", "crashed", "uid-crashed")]
+        )
+        assert gone.claims["uid-crashed"].error == ""
+        assert not spec.exists()
+
+
+async def test_claims_deleted_from_the_api_server_are_forgotten_at_start(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """A pod force-deleted while the driver was away: kubelet never unprepares its claim, and
+    the checkpoint would keep it and restore its spec at every start. At start each checkpointed
+    claim is read once: one the API server no longer has (or has anew, another UID) goes."""
+    dra = dra_node
+    dra.state.mkdir(parents=True)
+    prepared = {"namespace": "default", "name": "app",
+                "devices": [{"requests": ["pcc"], "pool": NODE, "device": "pcc-3"}]}  # fmt: skip
+    entries = {"uid-gone": {**prepared, "name": "gone"}, "uid-kept": {**prepared, "name": "kept"},
+               "uid-old": {**prepared, "name": "anew"}}  # fmt: skip
+    (dra.state / "checkpoint.json").write_text(checkpoint_text(entries))
+    dra.claim("kept", "uid-kept")
+    dra.claim("anew", "uid-new")
+    with trio.fail_after(30):
+        daemon = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        await run_blocking(daemon.wait_for_log, "was deleted from the API server", WAIT, count=2)
+        assert set(dra.checkpoint()) == {"uid-kept"}
+        assert cdi_spec(dra, "uid-kept").exists()
+        assert not cdi_spec(dra, "uid-gone").exists()
+        assert not cdi_spec(dra, "uid-old").exists()
+        assert "Traceback" not in daemon.log_text()
+
+
+async def test_an_unreadable_checkpoint_is_rebuilt_from_the_claims_specs(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """A checkpoint that cannot be read (a disk's fault, another version's format): what was
+    prepared is not forgotten while its CDI specs are there (no reboot): each records its
+    claim, so kubelet's unprepare removes it and the checkpoint holds it again."""
+    dra = dra_node
+    with trio.fail_after(40):
+        first = start_daemon(*dra.daemon_args())
+        await registered(dra)
+        dra.claim("app", "uid-1")
+        await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert first.terminate() == 0
+        (dra.state / "checkpoint.json").write_text("{torn")
+        second = start_daemon(*dra.daemon_args())
+        await registered(dra, count=2)
+        await run_blocking(
+            second.wait_for_log, "1 prepared claims taken from their CDI specs", WAIT
+        )
+        assert set(dra.checkpoint()) == {"uid-1"}
+        assert (dra.state / "checkpoint.json.unreadable").read_text() == "{torn"
+        again = await run_blocking(dra.kubelet.prepare, DRIVER, [("default", "app", "uid-1")])
+        assert again.claims["uid-1"].error == ""
+        assert [device.device_name for device in again.claims["uid-1"].devices] == ["pcc-3"]
 
 
 def claim_field(namespace: bytes, uid: bytes, name: bytes) -> bytes:

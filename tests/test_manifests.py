@@ -1083,7 +1083,7 @@ def test_dra_api_access_is_what_the_driver_needs(directory: str) -> None:
     } == {
         ("resource.k8s.io", "resourceclaims"): ["get"],
         ("resource.k8s.io", "resourceslices"): sorted(
-            ["get", "list", "watch", "create", "update", "delete"]
+            ["list", "watch", "create", "update", "delete"]
         ),
         ("", "nodes"): ["get"],
     }
@@ -1095,8 +1095,8 @@ def test_dra_api_access_is_what_the_driver_needs(directory: str) -> None:
     assert rule["resources"] == ["resourceslices"]
     assert sorted(rule["operations"]) == ["CREATE", "DELETE", "UPDATE"]
     assert rule["apiVersions"] == ["*"]
-    (condition,) = policy["spec"]["matchConditions"]
-    assert matches_user(condition["expression"], SERVICE_ACCOUNT_USER)
+    assert policy["spec"]["paramKind"] == {"apiVersion": "v1", "kind": "ServiceAccount"}
+    assert matches_user(objects, SERVICE_ACCOUNT_USER)
     assert "authentication.kubernetes.io/node-name" in str(policy["spec"]["variables"])
     assert policy["spec"]["failurePolicy"] == "Fail"
     # A refusal is 403 Forbidden, as docs/dra.md's troubleshooting says (the API server's
@@ -1105,45 +1105,61 @@ def test_dra_api_access_is_what_the_driver_needs(directory: str) -> None:
     policy_binding = the(objects, "ValidatingAdmissionPolicyBinding")
     assert policy_binding["spec"] == {
         "policyName": policy["metadata"]["name"],
+        "paramRef": {
+            "name": NAME,
+            "namespace": NAMESPACE,
+            "parameterNotFoundAction": "Allow",
+        },
         "validationActions": ["Deny"],
     }
 
 
-def matches_user(expression: str, username: str) -> bool:
-    """What the policy's matchCondition says of a request by `username`, for the two forms a
-    condition on the user takes here (a test of its own, not a CEL interpreter: any other
-    form fails it). CEL's `matches` is RE2's search, which Python's agrees with on these."""
-    subject = "request.userInfo.username"
-    if found := re.fullmatch(rf'{re.escape(subject)} == "([^"]*)"', expression.strip()):
-        return username == found[1]
-    if found := re.fullmatch(rf"{re.escape(subject)}\.matches\('([^']*)'\)", expression.strip()):
-        return re.search(found[1], username) is not None
-    raise AssertionError(f"a matchCondition this test cannot read: {expression}")
+# The one form the policy's matchCondition takes: the user is the service account its
+# binding names as its parameter (a test of its own, not a CEL interpreter: another form
+# fails it).
+EXACTLY_THE_PARAMETER = (
+    "request.userInfo.username == 'system:serviceaccount:' + params.metadata.namespace + ':' "
+    "+ params.metadata.name"
+)
 
 
-def test_the_admission_policy_follows_the_service_account_to_another_namespace(
+def matches_user(objects: list[Obj], username: str) -> bool:
+    """Whether the policy applies to a request by `username`: its matchCondition with the
+    parameter its binding names, which must be a ServiceAccount among `objects`."""
+    (condition,) = the(objects, "ValidatingAdmissionPolicy")["spec"]["matchConditions"]
+    assert " ".join(condition["expression"].split()) == EXACTLY_THE_PARAMETER
+    reference = the(objects, "ValidatingAdmissionPolicyBinding")["spec"]["paramRef"]
+    account = the(objects, "ServiceAccount", reference["name"])
+    assert account["metadata"]["namespace"] == reference["namespace"]
+    return username == f"system:serviceaccount:{reference['namespace']}:{reference['name']}"
+
+
+def test_the_admission_policy_follows_the_service_account_to_another_namespace_and_name(
     tmp_path: Path,
 ) -> None:
-    """A user's overlay that moves the driver to a namespace of their own (kustomize's
-    `namespace:`) moves its service account, and the policy must still apply to it: a
-    condition that names the namespace would match nothing, silently."""
+    """A user's overlay that moves the driver to a namespace of their own and prefixes its
+    names (kustomize's `namespace:` and `namePrefix:`) moves and renames its service account:
+    the policy applies to that account exactly, and to no other, not one whose name holds
+    the driver's (a pattern on the name would have caught it, or missed a renamed one)."""
     shutil.copytree(ROOT / "manifests", tmp_path / "manifests")
     overlay = tmp_path / "my-cluster"
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        "namespace: pcc-system\nresources:\n  - ../manifests/overlays/dra\n"
+        "namespace: pcc-system\nnamePrefix: acme-\nresources:\n  - ../manifests/overlays/dra\n"
     )
     objects = render(str(overlay))
-    account = the(objects, "ServiceAccount", NAME)
+    account = the(objects, "ServiceAccount", f"acme-{NAME}")
     assert account["metadata"]["namespace"] == "pcc-system"
-    user = f"system:serviceaccount:pcc-system:{NAME}"
-    assert the(objects, "ClusterRoleBinding")["subjects"][0]["namespace"] == "pcc-system"
-    (condition,) = the(objects, "ValidatingAdmissionPolicy")["spec"]["matchConditions"]
-    assert matches_user(condition["expression"], user)
+    assert the(objects, "ClusterRoleBinding")["subjects"] == [
+        {"kind": "ServiceAccount", "name": f"acme-{NAME}", "namespace": "pcc-system"}
+    ]
+    assert matches_user(objects, f"system:serviceaccount:pcc-system:acme-{NAME}")
     for other in ("system:serviceaccount:pcc-system:default", f"system:node:{NAME}",
-                  f"system:serviceaccount:{NAME}:default"):  # fmt: skip
-        assert not matches_user(condition["expression"], other), other
+                  f"system:serviceaccount:pcc-system:{NAME}",
+                  f"system:serviceaccount:pcc-system:acme-{NAME}-helper",
+                  f"system:serviceaccount:kube-system:acme-{NAME}"):  # fmt: skip
+        assert not matches_user(objects, other), other
 
 
 @pytest.mark.parametrize("directory", DRA)

@@ -75,6 +75,8 @@ async def test_metrics_count_what_the_daemon_does(
         assert value(samples, "pcc_device_plugin_devices", health="Unhealthy") == 0
         assert value(samples, "pcc_device_plugin_list_and_watch_streams") == 1
         assert value(samples, "pcc_device_plugin_ready") == 1
+        # The DRA mode's families are its own (tests/test_dra.py reads them).
+        assert not [name for name, _ in samples if name.startswith("pcc_device_plugin_dra_")]
         build = (
             "pcc_device_plugin_build_info",
             frozenset({"version": version("pcc-device-plugin")}.items()),

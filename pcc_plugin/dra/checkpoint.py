@@ -9,10 +9,18 @@ rollout, a reboot) knows what it prepared. Version 1, the first:
         "devices": [{"requests": ["..."], "pool": "...", "device": "..."}]}}}
 
 A file that is not that (another version, a torn write by hand) is moved aside to
-`checkpoint.json.unreadable`, said, and the driver starts empty. One call at a time, across
-instances too (either pod of a rolling update may be asked): `locked` holds a trio lock and an
-flock of `serialize.lock` beside the file, as upstream's kubeletplugin helper names it, and
-gives up (`LockBusy`) when it cannot have them in the time its caller has.
+`checkpoint.json.unreadable`, said, and the claims are taken from what else records them
+(`salvage`: the claims' CDI specs, claims.py). One call at a time, across instances too
+(either pod of a rolling update may be asked): `locked` holds a trio lock and an flock of
+`serialize.lock` beside the file, as upstream's kubeletplugin helper names it, and gives up
+(`LockBusy`) when it cannot have them in the time its caller has.
+
+The file is read and written (two fsyncs) in a worker thread: a slow disk holds up the call
+that waits for it, not the event loop (kubelet's other calls, the health streams, probes).
+The flock is waited for in a thread too, of a limiter of its own with one place: a wait that
+its caller gave up on keeps that place until the lock comes, so the next call waits for it
+there, and never more than one thread waits however many calls give up (trio's default
+limiter, shared with every other thread, would be used up).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +73,12 @@ class LockBusy(Exception):
 class Checkpoint:
     """The prepared claims of `driver`, by claim UID, in `directory`."""
 
-    def __init__(self, directory: Path, driver: str) -> None:
+    def __init__(self, directory: Path, driver: str, salvage: Callable[[], Claims] = dict) -> None:
         self.directory = directory
         self.driver = driver
+        self.salvage = salvage
         self._lock = trio.Lock()
+        self._flock_waiter = trio.CapacityLimiter(1)
 
     def peek(self) -> Claims:
         """The claims as the file has them now, without the lock (it is replaced whole, so
@@ -89,9 +99,11 @@ class Checkpoint:
             # Kept aside, not lost: an operator can see what was prepared.
             aside = path.with_name(f"{FILE}.unreadable")
             os.replace(path, aside)
-            log.error("Checkpoint %s was unreadable (%s), moved to %s; starting empty",
-                      path, exc, aside)  # fmt: skip
-            return {}
+            salvaged = self.salvage()
+            log.error("Checkpoint %s was unreadable (%s), moved to %s; %d prepared claims "
+                      "taken from their CDI specs", path, exc, aside, len(salvaged))  # fmt: skip
+            self.write(salvaged)
+            return salvaged
 
     def write(self, claims: Claims) -> None:
         document = {
@@ -134,24 +146,30 @@ class Checkpoint:
                     # it, abandoned if the wait ends first: the descriptor is closed then, so a
                     # lock the thread takes later goes with it.
                     await trio.to_thread.run_sync(
-                        fcntl.flock, descriptor, fcntl.LOCK_EX, abandon_on_cancel=True
-                    )
+                        fcntl.flock, descriptor, fcntl.LOCK_EX, abandon_on_cancel=True,
+                        limiter=self._flock_waiter,
+                    )  # fmt: skip
             except trio.TooSlowError:
                 raise LockBusy(
                     f"another call held {self.directory / LOCK} for {within:.0f} s (another "
                     "instance of the driver, or a slow disk); kubelet tries again"
                 ) from None
-            claims = self.read()
+            claims = await trio.to_thread.run_sync(self.read)
             before = dict(claims)
             yield claims
             if claims != before:
-                self.write(claims)
+                await trio.to_thread.run_sync(self.write, claims)
 
 
 def _claims(document: Any) -> Claims:
     """Version 1's claims, typed; ValueError (or a lookup's error) for anything else."""
     if document.get("version") != VERSION:
         raise ValueError(f"version {document.get('version')!r}, not {VERSION}")
+    return claims_of(document["claims"])
+
+
+def claims_of(entries: Any) -> Claims:
+    """Claims by UID, typed from their JSON form (a lookup's error if one is not that)."""
     return {
         str(uid): PreparedClaim(
             entry["namespace"],
@@ -161,5 +179,5 @@ def _claims(document: Any) -> Claims:
                 for device in entry["devices"]
             ),
         )
-        for uid, entry in document["claims"].items()
+        for uid, entry in entries.items()
     }

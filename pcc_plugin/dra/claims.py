@@ -19,8 +19,15 @@ import attrs
 import trio
 
 from pcc_plugin import cdi
-from pcc_plugin.dra.checkpoint import Checkpoint, Claims, LockBusy, PreparedClaim, PreparedDevice
-from pcc_plugin.dra.kube import RequestFailed, describe_error, status_code
+from pcc_plugin.dra.checkpoint import (
+    Checkpoint,
+    Claims,
+    LockBusy,
+    PreparedClaim,
+    PreparedDevice,
+    claims_of,
+)
+from pcc_plugin.dra.kube import RequestFailed, describe_error, retrying, status_code
 from pcc_plugin.inventory import Inventory
 from pcc_plugin.klog import V1
 from pcc_plugin.state import ResourceState
@@ -52,7 +59,12 @@ class ClaimRef:
 
 
 class ClaimError(Exception):
-    """This claim cannot be prepared now; kubelet gets the message and tries again later."""
+    """This claim cannot be prepared now; kubelet gets the message and tries again later.
+    `reason` names the stage, as /metrics counts it (api, claim, unhealthy, cdi)."""
+
+    def __init__(self, message: str, reason: str = "claim") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @attrs.define(eq=False)
@@ -88,11 +100,12 @@ class Preparer:
                     try:
                         answers[claim.uid] = self._prepare(claim, prepared, read)
                     except ClaimError as exc:
-                        self.state.prepared("failed")
+                        self.state.prepare_failed(exc.reason)
                         log.warning("NodePrepareResources %s: %s", claim, exc)
                         answers[claim.uid] = str(exc)
+                self._count(prepared)
         except (OSError, LockBusy) as exc:
-            self.state.prepared("failed", len(claims))
+            self.state.prepare_failed(_stage(exc), len(claims))
             return dict.fromkeys((claim.uid for claim in claims), self._unrecorded(exc))
         return answers
 
@@ -105,12 +118,14 @@ class Preparer:
             async with self.checkpoint.locked(ANSWER_WITHIN) as prepared:
                 for claim in claims:
                     try:
+                        # The spec's name is this driver's and the claim's: whoever wrote it
+                        # (another --instance-name, a run that crashed before its checkpoint),
+                        # the claim is gone from the node.
                         cdi.remove_claim_spec(
-                            self.cdi_dir, self.driver, claim.uid, self.owner,
-                            any_instance=claim.uid in prepared,
-                        )  # fmt: skip
+                            self.cdi_dir, self.driver, claim.uid, self.owner, any_instance=True
+                        )
                     except OSError as exc:
-                        self.state.unprepared("failed")
+                        self.state.unprepare_failed("cdi")
                         answers[claim.uid] = f"cannot remove its CDI spec: {exc}"
                         continue
                     known = prepared.pop(claim.uid, None) is not None
@@ -118,8 +133,9 @@ class Preparer:
                     what = "unprepared" if known else "not prepared here, nothing to do"
                     log.log(V1, "NodeUnprepareResources %s: %s", claim, what)
                     answers[claim.uid] = None
+                self._count(prepared)
         except (OSError, LockBusy) as exc:
-            self.state.unprepared("failed", len(claims))
+            self.state.unprepare_failed(_stage(exc), len(claims))
             return dict.fromkeys((claim.uid for claim in claims), self._unrecorded(exc))
         return answers
 
@@ -138,11 +154,53 @@ class Preparer:
                             log.error("Prepared claim %s: %s", uid, exc)
                 log.log(V1, "Checked the CDI specs of %d prepared claims: %d written again",
                         len(prepared), written)  # fmt: skip
+                self._count(prepared)
         except OSError as exc:
             log.error("Prepared claims' CDI specs not checked: %s", exc)
 
+    def salvage(self) -> Claims:
+        """The prepared claims the CDI specs record: what an unreadable checkpoint held, as
+        far as a reboot left the specs (kubelet prepares the others again)."""
+        return claims_of(cdi.claim_records(self.cdi_dir, self.driver))
+
+    async def forget_deleted_claims(self) -> None:
+        """At start: forget the checkpointed claims whose ResourceClaim is gone (or was
+        created again, a new UID), which kubelet will never unprepare (a pod force-deleted
+        while the driver was away), their CDI specs with them. A claim in use cannot be
+        deleted (its finalizer), so a claim that is gone is used by no pod here. Asked until
+        the API server answers, once per claim."""
+        backoff, outage = retrying(log)
+        left = self.checkpoint.peek()
+        while left:
+            uid, claim = next(iter(left.items()))
+            try:
+                found = await self.get_claim(claim.namespace, claim.name)
+            except RequestFailed as error:
+                if status_code(error) != 404:
+                    outage.failed(f"Checking prepared claim {claim.namespace}/{claim.name} "
+                                  f"({uid}) failed: {describe_error(error)}")  # fmt: skip
+                    await trio.sleep(backoff.next_delay())
+                    continue
+                found = {}
+            del left[uid]
+            if (found.get("metadata") or {}).get("uid") == uid:
+                continue
+            try:
+                async with self.checkpoint.locked() as prepared:
+                    if prepared.pop(uid, None) is None:
+                        continue
+                    cdi.remove_claim_spec(self.cdi_dir, self.driver, uid, self.owner,
+                                          any_instance=True)  # fmt: skip
+            except OSError as exc:
+                log.error("Prepared claim %s/%s (%s) is deleted, but cannot be forgotten: %s",
+                          claim.namespace, claim.name, uid, exc)  # fmt: skip
+                continue
+            log.info("Prepared claim %s/%s (%s) was deleted from the API server: forgotten, "
+                     "its CDI spec removed", claim.namespace, claim.name, uid)  # fmt: skip
+        outage.over()
+
     def _prepare(
-        self, claim: ClaimRef, prepared: Claims, read: dict[str, dict[str, Any] | str]
+        self, claim: ClaimRef, prepared: Claims, read: dict[str, dict[str, Any] | ClaimError]
     ) -> PreparedClaim:
         if claim.uid in prepared:
             again = prepared[claim.uid]
@@ -155,8 +213,8 @@ class Preparer:
         if found is None:
             # Prepared when this call looked, unprepared by another call since.
             raise ClaimError("it was unprepared while this call prepared it; kubelet tries again")
-        if isinstance(found, str):
-            raise ClaimError(found)
+        if isinstance(found, ClaimError):
+            raise found
         new = PreparedClaim(claim.namespace, claim.name, self._allocated(claim, found))
         if new.devices:
             self._write_spec(claim.uid, new)
@@ -166,11 +224,11 @@ class Preparer:
         self.state.prepared("ok")
         return new
 
-    async def _read(self, claims: list[ClaimRef]) -> dict[str, dict[str, Any] | str]:
+    async def _read(self, claims: list[ClaimRef]) -> dict[str, dict[str, Any] | ClaimError]:
         """Each claim as the API server has it, read at once, or why it could not be read."""
-        found: dict[str, dict[str, Any] | str] = dict.fromkeys(
-            (claim.uid for claim in claims),
-            f"reading the ResourceClaim took over {READ_CLAIMS_TIMEOUT} s",
+        late = ClaimError(f"reading the ResourceClaim took over {READ_CLAIMS_TIMEOUT} s", "api")
+        found: dict[str, dict[str, Any] | ClaimError] = dict.fromkeys(
+            (claim.uid for claim in claims), late
         )
 
         async def read(claim: ClaimRef) -> None:
@@ -178,9 +236,11 @@ class Preparer:
                 found[claim.uid] = await self.get_claim(claim.namespace, claim.name)
             except RequestFailed as error:
                 found[claim.uid] = (
-                    "the ResourceClaim does not exist"
+                    ClaimError("the ResourceClaim does not exist")
                     if status_code(error) == 404
-                    else f"cannot read the ResourceClaim: {describe_error(error)}"
+                    else ClaimError(
+                        f"cannot read the ResourceClaim: {describe_error(error)}", "api"
+                    )
                 )
 
         with trio.move_on_after(READ_CLAIMS_TIMEOUT):
@@ -214,7 +274,7 @@ class Preparer:
             if device is None:
                 raise ClaimError(f"device {name} is not one of this node's")
             if device.problem:
-                raise ClaimError(f"device {name} is unhealthy: {device.problem}")
+                raise ClaimError(f"device {name} is unhealthy: {device.problem}", "unhealthy")
             # A subrequest's results name it `request/subrequest`; containers name the request.
             request = str(result.get("request", "")).partition("/")[0]
             devices.append(PreparedDevice((request,), self.node, name))
@@ -234,10 +294,14 @@ class Preparer:
             raise ClaimError(f"device {claim.devices[0].device} is no longer one of this node's")
         try:
             cdi.write_claim_spec(
-                self.cdi_dir, self.driver, uid, self.inventory.spec, device, self.owner
-            )
+                self.cdi_dir, self.driver, uid, self.inventory.spec, device, self.owner,
+                attrs.asdict(claim),
+            )  # fmt: skip
         except (OSError, cdi.CdiConflict) as exc:
-            raise ClaimError(f"cannot write its CDI spec: {exc}") from None
+            raise ClaimError(f"cannot write its CDI spec: {exc}", "cdi") from None
+
+    def _count(self, prepared: Claims) -> None:
+        self.state.prepared_devices = sum(len(claim.devices) for claim in prepared.values())
 
     def _unrecorded(self, error: OSError | LockBusy) -> str:
         """Kubelet retries; the operator reads why in the pod's events and here."""
@@ -247,3 +311,7 @@ class Preparer:
             problem = f"cannot record prepared claims in {self.checkpoint.directory}: {error}"
         log.error("%s", problem)
         return problem
+
+
+def _stage(error: OSError | LockBusy) -> str:
+    return "lock" if isinstance(error, LockBusy) else "checkpoint"

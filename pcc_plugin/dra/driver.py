@@ -6,8 +6,11 @@ them). Either socket gone (deleted by hand, its directory removed): both are ser
 Kubelet restarting needs nothing of the sockets (it registers the ones it finds), but it
 deletes the node's slices, which `slices.publish` writes again. Each change of the devices
 goes to kubelet's health stream (health.py), to how unhealthy devices show in the slices
-(taints.py, chosen once at start) and to the node's attributes (node_facts.py), then to the
-slices.
+(taints.py) and to the node's attributes (node_facts.py), then to the slices.
+
+The API server is the slices' and the claims' only: whatever its client fails with, the
+sockets, unprepare and the health streams go on. A bug in the publishing loop restarts that
+loop alone (`keep_publishing`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from pcc_plugin.dra.service import dra_methods, registration_methods
 from pcc_plugin.dra.sockets import earlier_sockets, instance_token, socket_paths, state_dir
 from pcc_plugin.flags import Flags
 from pcc_plugin.fs import Identity
-from pcc_plugin.generations import Backoff, Generation, serve_generations
+from pcc_plugin.generations import (
+    BUG_RESTART_CAP,
+    BUG_RESTART_FIRST,
+    Backoff,
+    Generation,
+    serve_generations,
+)
 from pcc_plugin.inotify import DIR_GONE, VANISHED, next_events
 from pcc_plugin.inventory import Inventory, watch_health
 from pcc_plugin.plugin_dir import accepts_connections, own_socket_problem, remove_stale_sockets
@@ -56,7 +65,12 @@ class DraMode:
         self.health = HealthFeed(config.node_name)
         self.unhealthy = taints.Unhealthy(config.driver_name, config.unhealthy_taint_effect)
         self.node = node_facts.NodeFacts()
-        self.inventory = Inventory(spec, config.host_root, state, self._devices_changed)
+        # Served at once even with the device missing (tainted or withdrawn in the slices, as
+        # when it goes later): kubelet needs the driver registered to unprepare the claims of
+        # the pods on the node whatever the device does.
+        self.inventory = Inventory(
+            spec, config.host_root, state, self._devices_changed, wait_at_start=False
+        )
 
     def _devices_changed(self, devices: tuple[Device, ...]) -> None:
         self.health.update(devices)
@@ -71,11 +85,13 @@ class DraMode:
     async def serve(self, bug_backoff: Backoff) -> None:
         config, inventory = self.config, self.inventory
         api = kube.open_client(config.kubeconfig)
+        api.counted = self.state.api_requested
         checkpoint = Checkpoint(state_dir(config), config.driver_name)
         self.preparer = Preparer(
             config.driver_name, config.node_name, inventory, self.state, checkpoint,
             Path(config.cdi_spec_dir), config.instance_name, api.get_claim,
         )  # fmt: skip
+        checkpoint.salvage = self.preparer.salvage
 
         sysfs = node_facts.sysfs_missing(config.host_root)
         if sysfs:
@@ -87,8 +103,8 @@ class DraMode:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)
-                await inventory.in_place.wait()
-                nursery.start_soon(self._publish, api)
+                nursery.start_soon(self.keep_publishing, api)
+                nursery.start_soon(self.preparer.forget_deleted_claims)
                 nursery.start_soon(serve_generations, self, bug_backoff)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
@@ -103,14 +119,26 @@ class DraMode:
         devices = self.inventory.devices
         return slices.desired(pool, self.inventory.spec, devices, self.unhealthy, self.node)
 
-    async def _publish(self, api: kube.Api) -> None:
-        """Choose how unhealthy devices show (taints.py), then keep the slices published."""
+    async def keep_publishing(self, api: kube.Api) -> None:
+        """Keep the slices published (slices.publish); after a bug there, log it and start
+        that loop again, alone: kubelet's calls do not depend on it."""
         config = self.config
-        await taints.choose(api, self.unhealthy, config.node_name, self.state)
         pool = slices.Pool(config.driver_name, config.node_name, "")
         me = slices.Instance.starting(instance_token(config))
-        await slices.publish(api, pool, me, self._alive, self._wanted, lambda: self._changed,
-                             self.state)  # fmt: skip
+        backoff = Backoff(first=BUG_RESTART_FIRST, cap=BUG_RESTART_CAP)
+        self.unhealthy.say_at_start()
+        while True:
+            try:
+                await slices.publish(api, pool, me, self._alive, self._wanted,
+                                     lambda: self._changed, self.state,
+                                     self.unhealthy)  # fmt: skip
+            except Exception as exc:
+                delay = backoff.next_delay()
+                problem = f"ResourceSlices not published: {type(exc).__name__}: {exc}"
+                self.state.slices_not_published(problem)
+                log.error("Publishing ResourceSlices failed unexpectedly; again in %.1f s",
+                          delay, exc_info=exc)  # fmt: skip
+                await trio.sleep(delay)
 
     async def serve_generation(self, generation: Generation) -> None:
         """Serve the DRA socket, then the registration socket, and watch both (each is removed

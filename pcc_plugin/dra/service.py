@@ -87,7 +87,8 @@ def dra_methods(preparer: Preparer) -> dict[str, MethodSpec]:
 
 async def prepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> bytes:
     claims = read_claims(data, "NodePrepareResourcesRequest")
-    answers = await call_trio(preparer.prepare, claims)
+    with preparer.state.dra_call("prepare"):
+        answers = await call_trio(preparer.prepare, claims)
     return bytes(
         api.NodePrepareResourcesResponse(
             claims={
@@ -112,7 +113,8 @@ async def prepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> byte
 
 async def unprepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> bytes:
     claims = read_claims(data, "NodeUnprepareResourcesRequest")
-    answers = await call_trio(preparer.unprepare, claims)
+    with preparer.state.dra_call("unprepare"):
+        answers = await call_trio(preparer.unprepare, claims)
     return bytes(
         api.NodeUnprepareResourcesResponse(
             claims={

@@ -7,26 +7,33 @@ directory is, stays listed with a taint where the API server serves taints, and 
 from the pool where it does not (taints.py says which and why); every change bumps the pool's
 generation in each of its slices.
 
-`publish` reads the Node (its UID owns the slices, and a Node registered again has a new
-one), lists the driver's slices of this node, writes what differs, then watches them: a
-slice deleted (kubelet deletes every slice of its node when it starts) or changed by someone
-else is looked at again at once, and so is a change of the devices. A failed request is
-retried with backoff; a 409 Conflict or 410 Gone is routine: listed again, no error. Nothing
-polls.
+`publish` lists the driver's slices of this node once, then watches them, as client-go's
+reflector does: each watch asks the API server to end it after a random 5 to 10 minutes
+(`WATCH_SECONDS`), with bookmarks, and the next resumes from the last resource version seen,
+so an idle node costs the API server one watch request every 7.5 minutes on average and no
+list, no read, never in step with other nodes. The slices as last seen (`Publisher.slices`)
+are what is compared with what the node has: a slice deleted (kubelet deletes every slice of
+its node when it starts) or changed by someone else, or a change of the devices, is looked
+at again at once, without a request; a write reads the Node first (its UID owns the slices:
+a Node registered again has a new one). The slices are listed again only after a 410 Gone
+(the watch's resource version is too old) or a 409 Conflict (someone else wrote first), both
+routine, or an error the API server answered; after a failure without an answer the watch
+resumes where it was. Failures wait, jittered (kube.retrying). Nothing polls.
 
 Two instances during a rolling update may want different slices (a new attribute; health
 seen a moment apart). Each stamps the slices it writes (`Instance`); an instance leaves
-alone what a newer one wrote while that one is alive (its DRA socket takes connections), so
-the newer one's slices win and stay. Whatever two instances want, each writes the pool at
-most `WRITE_BURST` times at once and then once per `WRITE_EVERY` (`WriteBudget`).
+alone what a newer one (another pod) wrote while that one is alive (its DRA socket takes
+connections), so the newer one's slices win and stay. Whatever two instances want, each
+writes the pool at most `WRITE_BURST` times at once and then once per `WRITE_EVERY`
+(`WriteBudget`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import logging
+import random
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -43,7 +50,13 @@ from pcc_plugin.dra.kube import (
     why_failed,
 )
 from pcc_plugin.dra.node_facts import NodeFacts
-from pcc_plugin.dra.taints import MAX_TAINTED_DEVICES_PER_SLICE, RESOURCE_API, Unhealthy
+from pcc_plugin.dra.taints import (
+    MAX_TAINTED_DEVICES_PER_SLICE,
+    RESOURCE_API,
+    Unhealthy,
+    serves_taints,
+)
+from pcc_plugin.generations import Outage
 from pcc_plugin.klog import V1
 from pcc_plugin.resource import Device, ResourceSpec
 from pcc_plugin.state import ResourceState
@@ -51,9 +64,12 @@ from pcc_plugin.state import ResourceState
 log = logging.getLogger(__name__)
 
 MAX_DEVICES_PER_SLICE = 128
-# A watch is renewed (listed again) this often: a connection that died without a word would
-# otherwise hold it forever. client-go's reflectors renew every 5 to 10 minutes.
-WATCH_RENEW = 300.0
+# Each watch asks the API server to end it after a random number of seconds in this range
+# (client-go's reflector: its minimum watch timeout, 5 minutes, times 1 to 2), then resumes.
+WATCH_SECONDS = (300, 600)
+# A watch the API server ends sooner than this, having sent nothing, is a failure (a proxy
+# that cuts watches), not a renewal: resumed after a wait, not at once.
+WATCH_TOO_SHORT = 1.0
 # Writes of the pool (one request per slice) an instance makes at once, then one per
 # WRITE_EVERY at most: a start, a kubelet restart and a device gone and back all go out at
 # once; two instances that want different slices cannot write more than that, however they
@@ -113,7 +129,7 @@ def desired(
     tainting, a slice holds fewer devices whatever their health, so that none moves to
     another slice as its health changes.
     """
-    unhealthy = unhealthy or Unhealthy(pool.driver)
+    unhealthy = unhealthy or Unhealthy(pool.driver, tainting=False)
     shared = node.attributes() if node else {}
     listed = []
     for device in filter(unhealthy.listed, devices):
@@ -153,8 +169,10 @@ def _content(obj: dict[str, Any]) -> Any:
         (device.get("name"), device.get("attributes") or {}, device.get("taints") or [])
         for device in spec.get("devices") or []
     ]
+    # The Node by name: its UID is read only to write (the garbage collector deletes slices
+    # an old UID owns, which are then written again).
     owners = [
-        (owner.get("kind"), owner.get("name"), owner.get("uid"))
+        (owner.get("kind"), owner.get("name"))
         for owner in (obj.get("metadata") or {}).get("ownerReferences") or []
     ]
     return (spec.get("driver"), spec.get("nodeName"), pool.get("name"),
@@ -218,28 +236,100 @@ class WriteBudget:
 @attrs.define
 class Publisher:
     """The node's slices, kept as `wanted(pool)` says, written as instance `me`; `alive` says
-    whether another instance still runs."""
+    whether another instance still runs; `unhealthy` learns from the answers whether the API
+    server keeps taints."""
 
     api: Api
     pool: Pool
     wanted: Callable[[Pool], list[dict[str, Any]]]
     me: Instance
     alive: Callable[[Instance], bool]
+    unhealthy: Unhealthy
     budget: WriteBudget = attrs.Factory(WriteBudget)
-    # The last list's resource version: the watch starts there.
+    rng: random.Random = attrs.Factory(random.Random)
+    # The slices as last listed, written or seen in the watch, by name; and the resource
+    # version the watch resumes from.
+    slices: dict[str, dict[str, Any]] = attrs.Factory(dict)
     version: str = ""
-    # Resource versions of the slices written since that list: their watch events are no news.
-    # The next list sees them, and the watch from it starts after them, so they are forgotten
-    # there: one per slice at most.
-    _written: set[str] = attrs.Factory(set)
+    # The resource version of each slice's last write whose watch event has not come yet: no
+    # news when it comes. One per slice at most.
+    _written: dict[str, str] = attrs.Factory(dict)
     generation: int = 0
     # The newest instance, newer than this one, whose slices were seen; while it is alive,
     # what it wrote stays.
     newer: Instance | None = None
     _left_to: Instance | None = None
+    # Set when the watch saw a change this instance did not make.
+    news: trio.Event = attrs.Factory(trio.Event)
+    # What the last request was, for an error line.
+    doing: str = ""
+    # Set once a request succeeded since the last failure (publish replaces it then): only
+    # then are the slices said to be published, the API server to answer again.
+    answered: trio.Event = attrs.Factory(trio.Event)
+    # Called at each event of a watch (a bookmark too), and at its end: it works.
+    heard: Callable[[], None] = lambda: None
+    # Whether the slices were listed since the last look (said when they need no write).
+    _listed: bool = False
+    # While its writes are on their way, their events may come before their answers.
+    _writing: bool = False
+    # The resource version of each slice's last event (a deletion too): a write's answer that
+    # comes after a newer event is not what the slice is now.
+    _events: dict[str, int] = attrs.Factory(dict)
 
     def _selector(self) -> dict[str, str]:
         return {"spec.nodeName": self.pool.node, "spec.driver": self.pool.driver}
+
+    async def relist(self) -> None:
+        self.doing = "listing ResourceSlices"
+        items, self.version = await self.api.list_slices(self._selector())
+        self.answered.set()
+        self.slices = {item["metadata"]["name"]: item for item in items}
+        self._written.clear()
+        self._events.clear()
+        self._listed = True
+
+    async def watch(self) -> None:
+        """Follow the slices for ever, one watch after another, each resumed where the last
+        ended; RequestFailed when one fails."""
+        while True:
+            self.doing = "watching ResourceSlices"
+            seconds = self.rng.randint(*WATCH_SECONDS)
+            started, heard = trio.current_time(), self.version
+            await self.api.watch_slices(
+                self._selector(), self.version, seconds, self._seen, self.answered.set
+            )
+            if trio.current_time() - started < WATCH_TOO_SHORT and self.version == heard:
+                raise RequestFailed("the API server ended the watch of ResourceSlices at once")
+            # A whole watch: the API server works, whatever failed before is forgotten.
+            self.heard()
+            # A look, without a request, at each renewal: a newer instance may be gone.
+            self.news.set()
+
+    def _seen(self, kind: str, obj: dict[str, Any]) -> None:
+        """One event of the watch (a bookmark only moves the version on)."""
+        self.heard()
+        metadata = obj.get("metadata") or {}
+        version = str(metadata.get("resourceVersion") or "")
+        self.version = version or self.version
+        if kind == "BOOKMARK":
+            return
+        name = str(metadata.get("name") or "")
+        self._events[name] = _revision(version)
+        if kind == "DELETED":
+            self.slices.pop(name, None)
+        else:
+            self.slices[name] = obj
+        if kind != "DELETED" and self._written.get(name) == version:
+            del self._written[name]
+            return
+        if (
+            self._writing
+            and kind != "DELETED"
+            and (Instance.of(obj, publisher_key(self.pool.driver)) == self.me)
+        ):
+            return
+        log.log(V1, "ResourceSlice %s %s: looking again", name, kind.lower())
+        self.news.set()
 
     def owned_by(self, node_uid: str) -> None:
         """The Node's UID as just read: the owner of the slices from now on."""
@@ -250,16 +340,26 @@ class Publisher:
         self.pool = attrs.evolve(self.pool, node_uid=node_uid)
 
     async def reconcile(self) -> float:
-        """Make the slices as wanted, or leave them to a newer instance; 0 then (and `version`
-        the list's, to watch from), else how long until the budget allows the write."""
-        items, self.version = await self.api.list_slices(self._selector())
-        self._written.clear()
-        existing = {item["metadata"]["name"]: item for item in items}
+        """Make the slices as wanted, or leave them to a newer instance; 0 then, else how long
+        until the budget allows the write."""
+        existing = dict(self.slices)
         key = publisher_key(self.pool.driver)
         for item in existing.values():
             other = Instance.of(item, key)
-            if other is not None and other > max(self.me, self.newer or self.me):
+            # Never itself: a previous run of this pod (the same token) is this instance.
+            if (
+                other is not None
+                and other.token != self.me.token
+                and (other > max(self.me, self.newer or self.me))
+            ):
                 self.newer = other
+        unhealthy = self.unhealthy
+        unhealthy.recall(existing.values())
+        if unhealthy.probe_due:
+            self.doing = "asking whether the API server serves device taints"
+            unhealthy.probed(
+                await serves_taints(self.api, self.pool.driver, self.pool.node, unhealthy.key)
+            )
         wanted = self.wanted(self.pool)
         generations = [obj["spec"]["pool"].get("generation", 0) for obj in existing.values()]
         self.generation = max([self.generation, *generations])
@@ -267,6 +367,10 @@ class Publisher:
         same = names == set(existing) and all(
             _content(obj) == _content(existing[obj["metadata"]["name"]]) for obj in wanted
         ) and len(set(generations)) == 1  # fmt: skip
+        listed, self._listed = self._listed, False
+        if same and listed:
+            log.info("ResourceSlices of pool %s already say what the node has, generation %d",
+                     self.pool.node, self.generation)  # fmt: skip
         if same or self._leave_to_newer():
             return 0.0
         wait = self.budget.wait()
@@ -275,7 +379,34 @@ class Publisher:
                     self.pool.node, self.budget.burst, wait)  # fmt: skip
             return wait
         self.budget.spend()
+        self.doing = f"reading Node {self.pool.node}"
+        self.owned_by(await self.api.node_uid(self.pool.node))
+        self.doing = "publishing ResourceSlices"
+        wanted = self.wanted(self.pool)
         self.generation += 1
+        self._writing = True
+        try:
+            dropped = await self._write(wanted, existing, key)
+        finally:
+            self._writing = False
+        devices = sum(len(obj["spec"]["devices"]) for obj in wanted)
+        log.info("Published %d devices in %d ResourceSlice(s) of pool %s, generation %d",
+                 devices, len(wanted), self.pool.node, self.generation)  # fmt: skip
+        if any(_tainted(obj) for obj in wanted):
+            unhealthy.answered(kept=not dropped)
+        if dropped:
+            # Written again at once, the unhealthy devices withdrawn: they must not stay
+            # allocatable.
+            self.news.set()
+        return 0.0
+
+    async def _write(
+        self, wanted: list[dict[str, Any]], existing: dict[str, dict[str, Any]], key: str
+    ) -> bool:
+        """Write the wanted slices, delete the others; whether the API server dropped the
+        taints it was sent."""
+        dropped = False
+        names = {obj["metadata"]["name"] for obj in wanted}
         for obj in wanted:
             obj["spec"]["pool"]["generation"] = self.generation
             obj["metadata"].setdefault("annotations", {})[key] = self.me.stamp()
@@ -285,13 +416,19 @@ class Publisher:
                 written = await self.api.replace_slice(obj)
             else:
                 written = await self.api.create_slice(obj)
-            self._written.add(written["metadata"]["resourceVersion"])
+            self.answered.set()
+            version = written["metadata"]["resourceVersion"]
+            # The watch may have told of a later change already (the slice deleted by then):
+            # resource versions are etcd's revisions, compared as client-go's mutation
+            # cache compares them.
+            if _revision(version) >= self._events.get(name, 0):
+                self._written[name] = version
+                self.slices[name] = written
+            dropped = dropped or _taints_dropped(obj, written)
         for name in sorted(set(existing) - names):
             await self.api.delete_slice(name)
-        devices = sum(len(obj["spec"]["devices"]) for obj in wanted)
-        log.info("Published %d devices in %d ResourceSlice(s) of pool %s, generation %d",
-                 devices, len(wanted), self.pool.node, self.generation)  # fmt: skip
-        return 0.0
+            self.slices.pop(name, None)
+        return dropped
 
     def _leave_to_newer(self) -> bool:
         """Whether a newer instance is alive: its slices stay as it wrote them."""
@@ -310,19 +447,49 @@ class Publisher:
         self.newer = self._left_to = None
         return False
 
-    async def watch(self) -> None:
-        """Return on the first event that says the slices may no longer be as written."""
-        events = self.api.watch_slices(self._selector(), self.version)
-        # Closed here, in trio: left to the garbage collector, it would be closed outside.
-        async with contextlib.aclosing(events):
-            async for event, obj in events:
-                if event == "BOOKMARK":
-                    continue
-                if event != "DELETED" and obj["metadata"]["resourceVersion"] in self._written:
-                    continue
-                log.log(V1, "ResourceSlice %s %s: looking again", obj["metadata"]["name"],
-                        event.lower())  # fmt: skip
-                return
+    async def keep(
+        self, changed: Callable[[], trio.Event], state: ResourceState, outage: Outage
+    ) -> None:
+        """Reconcile now, then at each change of the devices, each change the watch saw,
+        and when the budget or a taint's time says; for ever."""
+        while True:
+            self.news = news = trio.Event()
+            # Taken before the devices are read: a change from here on is not missed.
+            change = changed()
+            wait = await self.reconcile()
+            answered = self.answered.is_set()
+            if not wait and answered:
+                state.slices_published()
+                outage.over()
+            due = [wait] if wait else []
+            if (later := self.unhealthy.due_in()) is not None:
+                due.append(later)
+            with trio.move_on_after(min(due, default=float("inf"))):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_then_cancel, nursery, news.wait)
+                    nursery.start_soon(_then_cancel, nursery, change.wait)
+                    if not answered:
+                        nursery.start_soon(_then_cancel, nursery, self.answered.wait)
+
+
+def _revision(version: str) -> int:
+    return int(version) if version.isdigit() else 0
+
+
+def _tainted(obj: dict[str, Any]) -> bool:
+    return any(device.get("taints") for device in obj["spec"]["devices"])
+
+
+def _taints_dropped(sent: dict[str, Any], written: dict[str, Any]) -> bool:
+    """Whether the API server kept none of the taints it was sent (DRADeviceTaints off)."""
+    return _tainted(sent) and not any(
+        device.get("taints") for device in (written.get("spec") or {}).get("devices") or []
+    )
+
+
+async def _then_cancel(nursery: trio.Nursery, wait: Callable[[], Awaitable[object]]) -> None:
+    await wait()
+    nursery.cancel_scope.cancel()
 
 
 async def publish(
@@ -333,50 +500,47 @@ async def publish(
     wanted: Callable[[Pool], list[dict[str, Any]]],
     changed: Callable[[], trio.Event],
     state: ResourceState,
+    unhealthy: Unhealthy,
 ) -> None:
-    """Keep the node's slices as `wanted` says, again whenever `changed()` fires; forever.
-    `pool.node_uid` is read from the Node each time."""
+    """Keep the node's slices as `wanted` says, again whenever `changed()` fires; for ever.
+    Every failure is the API server's: said, and retried after a jittered wait."""
     backoff, outage = retrying(log)
-    publisher = Publisher(api, pool, wanted, me, alive)
+    publisher = Publisher(api, pool, wanted, me, alive, unhealthy, heard=backoff.reset)
     state.slices_not_published("ResourceSlices not published yet")
+    relist = True
     # Whether the last round ended in a routine answer too: then the next waits.
     routine_again = False
     while True:
-        what = f"reading Node {pool.node}"
         try:
-            publisher.owned_by(await api.node_uid(pool.node))
-            what = "publishing ResourceSlices"
-            # Taken before the devices are read: a change from here on is not missed.
-            change = changed()
-            wait = await publisher.reconcile()
-            if wait:
-                await trio.sleep(wait)
-                continue
-            state.slices_published()
-            outage.over()
-            backoff.reset()
-            what = "watching ResourceSlices"
+            if relist:
+                await publisher.relist()
+                relist = False
             failed: list[RequestFailed] = []
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_first_of, nursery, failed, publisher.watch)
-                nursery.start_soon(_first_of, nursery, failed, change.wait)
-                nursery.start_soon(_first_of, nursery, failed, trio.sleep, WATCH_RENEW)
+                nursery.start_soon(
+                    _first_of, nursery, failed, publisher.keep, changed, state, outage
+                )
             if failed:
                 raise failed[0]
-            routine_again = False
         except RequestFailed as error:
+            publisher.answered = trio.Event()
             code = status_code(error)
             if code in ROUTINE:
-                log.log(V1, "%s: %s; listing again", what, describe_error(error))
+                log.log(V1, "%s: %s; listing again", publisher.doing, describe_error(error))
+                relist = True
                 if routine_again:
                     await trio.sleep(backoff.next_delay())
                 routine_again = True
                 continue
             routine_again = False
+            # No answer, or the API server's own trouble: the watch resumes where it was.
+            # Any other answer (401, 403, ...): listed again once it is over.
+            relist = relist or not (code is None or code == 429 or code >= 500)
             why = why_failed(error)
-            if code == 404 and what.startswith("reading Node"):
+            if code == 404 and publisher.doing.startswith("reading Node"):
                 why = f"Node {pool.node} does not exist: check --node-name"
-            problem = f"ResourceSlices not published: {what} failed: {why}"
+            problem = f"ResourceSlices not published: {publisher.doing} failed: {why}"
             state.slices_not_published(problem)
             outage.failed(problem)
             await trio.sleep(backoff.next_delay())

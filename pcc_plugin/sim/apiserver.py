@@ -3,6 +3,14 @@
 It serves what the driver uses of kube-apiserver, in its JSON and with its status codes:
 GET a Node and a ResourceClaim; list, watch (chunked, from a resource version), create,
 replace and delete ResourceSlices, with field selectors on spec.nodeName and spec.driver.
+Watches behave as kube-apiserver 1.37's (k8s.io/apiserver's cacher, read at v0.37.2): a
+watch ends, cleanly, after its `timeoutSeconds` (without one, after a random 30 to 60
+minutes, --min-request-timeout's default times 1 to 2); with `allowWatchBookmarks` it gets a
+BOOKMARK every `bookmark_every` seconds (the cacher's bookmarkFrequency, a minute) and one 2 s
+before its end, carrying the latest resource version; a resource version older than what the
+watch cache holds gets an ERROR event 410 Expired, in a 200 answer; after a restart (`stop`,
+`start`) the cache holds only what comes after. An HTTP/1.1 connection is kept alive after a
+watch ends, as Go's net/http does; `connections` counts those accepted.
 It checks the bearer token, and what kube-apiserver checks of a slice that a driver could get
 wrong (at most 128 devices, 64 when one has a taint, a pool, names, taints). A create may be a
 dry run (`dryRun=All`: checked and answered, not kept) and name only a `generateName`. Like
@@ -22,6 +30,7 @@ import contextlib
 import functools
 import itertools
 import json
+import random
 import re
 import socket
 import sys
@@ -42,15 +51,42 @@ Obj = dict[str, Any]
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 # An exec credential plugin: prints the token it is given, in the ExecCredential of the API
 # version client-go asked for in KUBERNETES_EXEC_INFO, and only to a non-interactive caller.
+# A file beside it (<plugin>.mode, JSON) makes it fail, hang, answer with a client certificate
+# instead, or give a token that expires after `lifetime` seconds (the token then carries its
+# expiry, which the server checks); each run is a line in <plugin>.runs.
 _CREDENTIAL_PLUGIN = """\
-import json, os, sys
+import json, os, sys, time
+with open(sys.argv[0] + ".runs", "a") as runs:
+    runs.write(f"{os.getpid()}\\n")
+try:
+    with open(sys.argv[0] + ".mode") as file:
+        mode = json.load(file)
+except FileNotFoundError:
+    mode = {}
+if mode.get("fail"):
+    sys.exit("the identity provider is down")
+if mode.get("hang"):
+    time.sleep(3600)
 info = json.loads(os.environ.get("KUBERNETES_EXEC_INFO") or "{}")
 if info.get("kind") != "ExecCredential" or info.get("spec", {}).get("interactive") is not False:
     sys.exit(f"unexpected KUBERNETES_EXEC_INFO: {info}")
 credential = {"kind": "ExecCredential", "apiVersion": info["apiVersion"]}
-credential["status"] = {"token": sys.argv[1]}
+if mode.get("certificate"):
+    credential["status"] = {"clientCertificateData": "x", "clientKeyData": "y"}
+elif mode.get("lifetime"):
+    expires = int(time.time() + mode["lifetime"])
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))
+    credential["status"] = {"token": f"{sys.argv[1]}.{expires}", "expirationTimestamp": stamp}
+else:
+    credential["status"] = {"token": sys.argv[1]}
 print(json.dumps(credential))
 """
+# kube-apiserver's cacher sends a watch a bookmark this often (bookmarkFrequency), and one this
+# long before the watch's end.
+BOOKMARK_EVERY = 60.0
+BOOKMARK_BEFORE_END = 2.0
+# A watch without timeoutSeconds ends after this times 1 to 2 (--min-request-timeout).
+MIN_REQUEST_TIMEOUT = 1800.0
 MAX_DEVICES_PER_SLICE = 128
 MAX_TAINTED_DEVICES_PER_SLICE = 64
 MAX_TAINTS_PER_DEVICE = 16
@@ -123,6 +159,17 @@ class FakeApiServer(Simulator):
     def __init__(self) -> None:
         self.token = "sim-token"
         self.serves_taints = True
+        self.bookmark_every = BOOKMARK_EVERY
+        # While set, open watches say nothing, bookmarks included, and are not ended (a hung
+        # server).
+        self._mute_watches = False
+        # Connections accepted, requests answered 401; each watch's query, in order.
+        self.connections = 0
+        self.unauthorized = 0
+        self.watches: list[dict[str, str]] = []
+        # Ends every watch after at most this many seconds (a test's minutes in seconds).
+        self.max_watch_seconds: float | None = None
+        self._started = False
         super().__init__()
         self._versions = itertools.count(1)
         self._version = 0
@@ -147,6 +194,8 @@ class FakeApiServer(Simulator):
     # Lifecycle
 
     def start(self) -> None:
+        """Serve; again after `stop`, as a restarted kube-apiserver: its watch cache holds
+        only what comes after (a watch from before gets 410 Expired)."""
         handler = type("Handler", (_Handler,), {"api": self})
         server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
         server.daemon_threads = True
@@ -154,6 +203,9 @@ class FakeApiServer(Simulator):
         thread = threading.Thread(target=server.serve_forever, name="fake-apiserver", daemon=True)
         with self._changed:
             self._server, self._thread = server, thread
+            if self._started:
+                self._oldest_watchable = self._version
+            self._started = True
         thread.start()
 
     def stop(self) -> None:
@@ -169,6 +221,16 @@ class FakeApiServer(Simulator):
         for connection in connections:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
+
+    @property
+    def mute_watches(self) -> bool:
+        return self._mute_watches
+
+    @mute_watches.setter
+    def mute_watches(self, muted: bool) -> None:
+        with self._changed:
+            self._mute_watches = muted
+            self._changed.notify_all()
 
     @property
     def url(self) -> str:
@@ -286,6 +348,18 @@ class FakeApiServer(Simulator):
         with self._changed:
             self._stalled = None
             self._released.set()
+
+    def authorized(self, header: str) -> bool:
+        """The token, or the token with an expiry that has not passed (an exec credential
+        plugin's short-lived one, `<token>.<Unix time>`); counted if not."""
+        token, _, expires = header.removeprefix("Bearer ").partition(".")
+        valid = header.startswith("Bearer ") and token == self.token and (
+            not expires or (expires.isdigit() and int(expires) > time.time())
+        )  # fmt: skip
+        if not valid:
+            with self._changed:
+                self.unauthorized += 1
+        return valid
 
     def _hold(self, request: str) -> None:
         with self._changed:
@@ -432,34 +506,71 @@ class FakeApiServer(Simulator):
         return (
             self._server is not server
             or since < self._oldest_watchable
-            or bool(self._events and self._events[-1][0] > since)
+            or bool(self._events and self._events[-1][0] > since and not self._mute_watches)
         )
 
     def check_watch(self, query: dict[str, str]) -> None:
         with self._changed:
+            self.watches.append(query)
             self._requested("WATCH resourceslices")
-            if int(query.get("resourceVersion") or 0) > self._version:
-                raise Rejected(504, "Timeout", "Too large resource version")
 
     def watch(self, query: dict[str, str], send: Callable[[bytes], None]) -> None:
-        """Send the slice events after the query's resource version, until stopped."""
+        """Send the slice events after the query's resource version, and bookmarks if asked,
+        until its timeout or a stop."""
         since = int(query.get("resourceVersion") or 0)
+        seconds = float(query.get("timeoutSeconds") or 0) or (
+            MIN_REQUEST_TIMEOUT * (1 + random.random())
+        )  # fmt: skip
+        start = time.monotonic()
+        end = start + min(seconds, self.max_watch_seconds or seconds)
+
+        def next_bookmark_after(now: float) -> float | None:
+            # As the cacher schedules them: a minute on, or 2 s before the end if sooner;
+            # none once that is past (a watch shorter than 2 s gets none).
+            at = min(now + self.bookmark_every, end - BOOKMARK_BEFORE_END)
+            return at if at > now else None
+
+        bookmark = (
+            next_bookmark_after(start) if query.get("allowWatchBookmarks") == "true" else None
+        )
         with self._changed:
             server = self._server
+            if since > self._version:
+                # The cacher waits 3 s for a version it has not seen, then says so.
+                late = status(504, "Timeout", f"Too large resource version: {since}")
+                send(json.dumps({"type": "ERROR", "object": late}).encode() + b"\n")
+                return
         while True:
             with self._changed:
-                self._changed.wait_for(functools.partial(self._news, server, since))
+                now = time.monotonic()
+                wake = min(end, bookmark or end)
+                self._changed.wait_for(
+                    functools.partial(self._news, server, since),
+                    None if self._mute_watches else max(0.0, wake - now),
+                )
                 if self._server is not server:
                     return
                 if since < self._oldest_watchable:
                     gone = status(410, "Expired", f"too old resource version: {since}")
                     send(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
                     return
-                pending = [event for event in self._events if event[0] > since]
-            for version, kind, obj in pending:
-                since = version
+                muted = self._mute_watches
+                pending = [] if muted else [event for event in self._events if event[0] > since]
+                version = self._version
+            for event_version, kind, obj in pending:
+                since = event_version
                 if _selected(obj, query):
                     send(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+            now = time.monotonic()
+            if now >= end and not muted:
+                return
+            if bookmark is not None and now >= bookmark:
+                bookmark = next_bookmark_after(now)
+                if not muted:
+                    since = max(since, version)
+                    mark = {"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1",
+                            "metadata": {"resourceVersion": str(since)}}  # fmt: skip
+                    send(json.dumps({"type": "BOOKMARK", "object": mark}).encode() + b"\n")
 
 
 def _selected(obj: Obj, query: dict[str, str]) -> bool:
@@ -487,6 +598,7 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         with self.api._changed:
             self.api._connections.add(self.connection)
+            self.api.connections += 1
 
     def finish(self) -> None:
         with self.api._changed:
@@ -501,7 +613,7 @@ class _Handler(BaseHTTPRequestHandler):
         size = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(size)) if size else None
         try:
-            if self.headers.get("Authorization") != f"Bearer {self.api.token}":
+            if not self.api.authorized(self.headers.get("Authorization") or ""):
                 raise Rejected(401, "Unauthorized", "Unauthorized")
             self.api._hold(f"{method} {url.path}")
             if query.get("watch") in ("true", "1"):
@@ -535,6 +647,6 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self.api.watch(query, send)
             self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
         except OSError:
-            pass
-        self.close_connection = True
+            self.close_connection = True

@@ -28,7 +28,6 @@ NOT_NEEDED_TO_REGISTER = (
     "yaml",
     "google",
     "pcc_plugin.dra",
-    "lightkube",
     "httpx",
 )
 
