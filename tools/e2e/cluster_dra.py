@@ -48,8 +48,9 @@ Check 9, after the device plugin's uninstall (check 8):
    the driver needs no API server to unprepare, the pod starts and the other is gone as soon
    as it is back, the running pods keep their containers and devices, the checkpoint holds
    exactly the running pods' claims, the driver was not restarted.
-10. ``--unhealthy-taint-effect=NoExecute`` patched into the DaemonSet: with the device removed,
-    kube-controller-manager evicts the running claim pods; restored, the overlay applied again.
+10. ``--unhealthy-taint-effect=NoExecute`` patched into the DaemonSet: with the device removed
+    (NoExecute once it has been gone 30 s), kube-controller-manager evicts the running claim
+    pods; restored, the overlay applied again.
 """
 
 from __future__ import annotations
@@ -523,7 +524,17 @@ class Dra:
         await cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(applied))
         token = await cluster.kubectl("-n", MOVED, "create", "token", DAEMONSET)
         dry_run = f"{SLICES}?dryRun=All"
-        refused = await self.refused("POST", dry_run, probe_slice(NODE_NAME), token.strip())
+
+        # kube-apiserver takes up a new binding, and the service account it names as its
+        # parameter, from its informers a moment after they are written; until then the
+        # parameter is not found, which the policy allows (a missing account has no tokens).
+        async def refused_now() -> str | None:
+            try:
+                return await self.refused("POST", dry_run, probe_slice(NODE_NAME), token.strip())
+            except AssertionError:
+                return None
+
+        refused, _ = await wait_for(f"the {MOVED} policy in force", refused_now, 30)
         expect("its token names no node" in refused, refused)
         await cluster.kubectl("delete", "clusterrolebinding", f"{MOVED}-dra")
         await cluster.kubectl("delete", "namespace", MOVED, "--wait=false")
