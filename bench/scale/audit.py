@@ -65,10 +65,22 @@ class Request:
         )
 
 
+def node_of(event: dict[str, Any]) -> str | None:
+    """The node of the driver that made the request: the benchmark's users name it
+    (USER_PREFIX + node); on a cluster (nox -s cluster) it is the pod-bound service-account
+    token's node. None for anyone else's request."""
+    user = event.get("user") or {}
+    name = user.get("username", "")
+    if name.startswith(USER_PREFIX):
+        return str(name.removeprefix(USER_PREFIX))
+    nodes = (user.get("extra") or {}).get("authentication.kubernetes.io/node-name") or []
+    return str(nodes[0]) if name.startswith("system:serviceaccount:") and nodes else None
+
+
 def parse(event: dict[str, Any]) -> tuple[str, Request] | None:
     """(audit ID, request) of one audit event of a driver's; None for anyone else's."""
-    user = (event.get("user") or {}).get("username", "")
-    if not user.startswith(USER_PREFIX):
+    node = node_of(event)
+    if node is None:
         return None
     ref = event.get("objectRef") or {}
     resource = ref.get("resource", "") or event.get("requestURI", "").split("?")[0]
@@ -79,7 +91,7 @@ def parse(event: dict[str, Any]) -> tuple[str, Request] | None:
     # An open watch's ResponseStarted says 200; only its end says how it ended.
     code = status.get("code") if complete or event.get("verb") != "watch" else None
     request = Request(
-        node=user.removeprefix(USER_PREFIX),
+        node=node,
         verb=event.get("verb", ""),
         resource=resource,
         received=_seconds(event["requestReceivedTimestamp"]),

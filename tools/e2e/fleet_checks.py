@@ -52,6 +52,8 @@ from pathlib import Path
 import trio
 import yaml
 
+from bench.scale import audit
+
 from . import api, legs
 from .cluster import (
     CONSUMERS,
@@ -883,6 +885,7 @@ class DraFleetCheck(FleetCheck):
                 and context.get("allowPrivilegeEscalation") is False,
                 f"{node.name}: the driver's securityContext {context}, seccomp {seccomp}",
             )  # fmt: skip
+        await self.start_cost()
         pools = ", ".join(
             f"{n.name}: {len(self.slices_of(n))} slice(s)" for n in self.pcc_nodes
         )  # fmt: skip
@@ -890,6 +893,26 @@ class DraFleetCheck(FleetCheck):
             f"{image} as {DRA_OVERLAY} with A, B and D labelled: the driver, not privileged, "
             "its root read-only, seccomp RuntimeDefault, runs and is ready on each; each node's "
             f"pool is its own, owned by its Node ({pools}, {SHARES} devices each); none for C"
+        )
+
+    async def start_cost(self) -> None:
+        """What each driver that started on a node without one asked of the API server up to its
+        first slice written, from the API server's audit log, read by the scale benchmark's own
+        code (bench/scale/audit.py), so that a node costs here what it costs there: one list and
+        one watch of its slices, a read of its Node, the write; nothing asked twice."""
+        requests = audit.by_node(audit.AuditLog(self.cluster.control_plane.audit_log).requests())
+        seen = {}
+        for node in (self.b, self.d):
+            start = audit.to_first_slice(requests.get(node.name, []))
+            expect(start is not None, f"{node.name}: no slice write in the audit log")
+            assert start is not None
+            whats = [request.what for request in start[0]]
+            expect(len(whats) == len(set(whats)), f"{node.name} asked again at start: {whats}")
+            seen[node.name] = whats
+            self.report.count(f"fleet DRA: {node.name}'s requests to its first slice", len(whats))
+        self.report.note(
+            "each driver's requests to its first slice (kube-apiserver's audit log): "
+            + "; ".join(f"{name}: {', '.join(whats)}" for name, whats in seen.items())
         )
 
     # 11.2
