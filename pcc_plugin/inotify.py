@@ -66,11 +66,6 @@ def pending_events(inotify: Inotify) -> list[Event]:
             events.append(event)
 
 
-def _taken_by_a_file(path: Path) -> bool:
-    """Whether something stands at `path`, which is not a directory."""
-    return path.exists()
-
-
 async def wait_for_directory(path: Path) -> None:
     """Return once `path` is a directory, watching its nearest existing ancestor meanwhile.
 
@@ -78,8 +73,8 @@ async def wait_for_directory(path: Path) -> None:
     """
     announced_file: bool | None = None
     # Looked up before any inotify is opened: the directory is there at every kubelet restart.
-    while (ancestor := nearest_existing_dir(path)) != path:
-        is_file = _taken_by_a_file(path)
+    while (seen := _look(path))[0] != path:
+        ancestor, is_file = seen
         if is_file != announced_file:
             if is_file:
                 log.warning("Waiting for %s to be a directory: it is a file now", path)
@@ -92,6 +87,13 @@ async def wait_for_directory(path: Path) -> None:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             # Watch first, then look: whatever is created after this is an event.
-            if nearest_existing_dir(path) != ancestor or _taken_by_a_file(path) != is_file:
+            if _look(path) != seen:
                 continue
             await next_events(inotify)
+
+
+def _look(path: Path) -> tuple[Path, bool]:
+    """The nearest existing directory of `path` (`path` once it is one), and whether something
+    that is not a directory stands at `path`."""
+    ancestor = nearest_existing_dir(path)
+    return ancestor, ancestor != path and path.exists()
