@@ -21,16 +21,17 @@ falls on all three and two passes show the noise:
   asks for one from the simulated kubelet's list. Skipped, and said so, without ``go``.
 
 Each pass first starts each contender 10 times, the three in turns, and stops it with SIGTERM
-half a second after it registered: start -> registered and SIGTERM -> exit (timed on a pidfd,
-`Bench.stop`), the median of each. Then each turn, in this order: start -> registered; 3 s
-later a scrape and the probes, then 1 s: idle memory; the CPU of the next 30 s; a burst of
-2,000 Allocate calls one after another on a connection of its own, held open afterwards as
-kubelet holds its, and the CPU of the 0-10, 10-36 and 36-46 s after its last answer; Allocate
-one call after another (5 rounds of 1,000 after 200): CPU per call and p50/p99; Allocate beside
-each hostile load (`bench.scenarios.under_hostile_loads`); 8 connections calling at once for 5
-s from another process (`bench.callers`); kubelet's dial-back, 1,000 times, and 50 kubelet
-restarts (`bench.scenarios.restarts`; 10 for the Go peer, which notices a restart by looking at
-its socket once a second and then waits 5 s before it serves again). The burst comes before
+half a second after it registered: start -> registered, the CPU used and context switches made
+until then, and SIGTERM -> exit (timed on a pidfd, `Bench.stop`), the median of each. Then each
+turn, in this order: start -> registered; 3 s later a scrape and the probes, then 1 s: idle
+memory; the CPU of the next 30 s; a burst of 2,000 Allocate calls one after another on a
+connection of its own, held open afterwards as kubelet holds its, and the CPU of the 0-10,
+10-36 and 36-46 s after its last answer; Allocate one call after another (5 rounds of 1,000
+after 200): CPU per call and p50/p99; Allocate beside each hostile load
+(`bench.scenarios.under_hostile_loads`); 8 connections calling at once for 5 s from another
+process (`bench.callers`); kubelet's dial-back, 1,000 times, and 50 kubelet restarts
+(`bench.scenarios.restarts`; 10 for the Go peer, which notices a restart by looking at its
+socket once a second and then waits 5 s before it serves again). The burst comes before
 everything else but the start: the old daemon's loop woke for each cancelled asyncio timer when
 it fell due (up to 60 s after the call that armed it), and the windows after the burst must
 hold only the burst's. The windows start 33 s after the start, past the start's own deadlines
@@ -255,20 +256,23 @@ def starts_and_stops(
     bench: Bench, contenders: Sequence[Contender], count: int
 ) -> dict[str, dict[str, float]]:
     """Each contender started `count` times, in turns, and stopped half a second after it
-    registered: the median start -> registered and SIGTERM -> exit of each, in ms."""
-    taken: dict[str, list[tuple[float, float]]] = {c.name: [] for c in contenders}
+    registered: the medians of its start -> registered, of the CPU it used and the context
+    switches it made until then (read once registered), and of its SIGTERM -> exit."""
+    taken: dict[str, list[dict[str, float]]] = {c.name: [] for c in contenders}
     for _ in range(count):
         for contender in contenders:
             assert contender.start is not None
             running = contender.start(bench)
+            pid = running.daemon.pid
+            cpu_ns, switches = procfs.cpu_ns(pid), procfs.wakeups(pid)
             time.sleep(0.5)
-            taken[contender.name].append((running.start_s, bench.stop(running.daemon)))
+            taken[contender.name].append({
+                "starts_ms": running.start_s * 1e3, "start_cpu_ms": cpu_ns / 1e6,
+                "start_switches": switches, "stops_ms": bench.stop(running.daemon) * 1e3,
+            })  # fmt: skip
     return {
-        name: {
-            "starts_ms": statistics.median(start for start, _ in pairs) * 1e3,
-            "stops_ms": statistics.median(stop for _, stop in pairs) * 1e3,
-        }
-        for name, pairs in taken.items()
+        name: {key: statistics.median(one[key] for one in each) for key in each[0]}
+        for name, each in taken.items()
     }
 
 
@@ -399,6 +403,9 @@ def _rows(sizes: Sizes) -> list[Row]:
     window = f"CPU {{}}-{{}} s after a burst of {sizes.burst:,} Allocates, ms (ticks)"
     return [
         (f"start -> registered, median of {sizes.starts} starts (ms)", "starts_ms", ms_value),
+        ("  CPU until registered, median (ms)", "start_cpu_ms", fixed(0)),
+        ("  context switches until registered, median (every thread)", "start_switches",
+         fixed(0)),
         (f"SIGTERM -> exit, median of {sizes.starts} stops (ms)", "stops_ms", ms_value),
         ("start -> registered, the turn's start (ms)", "start_ms", ms_value),
         ("idle VmRSS after a scrape and the probes (MiB)", "VmRSS_mib", fixed(1)),
