@@ -11,8 +11,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
@@ -28,8 +28,12 @@ APPEARED = Mask.CREATE | Mask.MOVED_TO
 VANISHED = Mask.DELETE | Mask.MOVED_FROM
 
 
-@contextmanager
-def open_inotify() -> Iterator[Inotify]:
+@asynccontextmanager
+async def open_inotify() -> AsyncIterator[Inotify]:
+    """An inotify instance, closed on a worker thread: closing one returns only once the kernel
+    has torn its watches down, a grace period of some milliseconds (5 ms here, 20 and more
+    under load), which would stall both loops; the instances a stop closes together wait out
+    their grace periods side by side."""
     try:
         # asyncinotify's InitFlags.NONBLOCK is really O_CLOEXEC: without a true
         # O_NONBLOCK, draining an empty queue would block the whole trio thread.
@@ -45,7 +49,8 @@ def open_inotify() -> Iterator[Inotify]:
         yield inotify
     finally:
         trio.lowlevel.notify_closing(inotify.fd)
-        inotify.close()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(inotify.close)
 
 
 async def next_events(inotify: Inotify) -> list[Event]:
@@ -81,7 +86,7 @@ async def wait_for_directory(path: Path) -> None:
             else:
                 log.info("Waiting for %s to be created (kubelet creates it at start)", path)
             announced_file = is_file
-        with open_inotify() as inotify:
+        async with open_inotify() as inotify:
             try:
                 inotify.add_watch(ancestor, APPEARED | DIR_GONE | Mask.ONLYDIR)
             except (FileNotFoundError, NotADirectoryError):
