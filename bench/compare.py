@@ -20,8 +20,11 @@ falls on all three and two passes show the noise:
   sev-guest under the same resource name; it names its own device IDs, so every Allocate
   asks for one from the simulated kubelet's list. Skipped, and said so, without ``go``.
 
-Each turn, in this order: start -> registered; 3 s later a scrape and the probes, then 1 s:
-idle memory; the CPU of the next 30 s; a burst of 2,000 Allocate calls one after another on a
+Each pass first starts each contender 10 times, the three in turns, and stops it with SIGTERM
+half a second after it registered: start -> registered, the CPU used and context switches made
+until then, and SIGTERM -> exit (timed on a pidfd, `Bench.stop`), the median of each. Then each
+turn, in this order: start -> registered; 3 s later a scrape and the probes, then 1 s: idle
+memory; the CPU of the next 30 s; a burst of 2,000 Allocate calls one after another on a
 connection of its own, held open afterwards as kubelet holds its, and the CPU of the 0-10,
 10-36 and 36-46 s after its last answer; Allocate one call after another (5 rounds of 1,000
 after 200): CPU per call and p50/p99; Allocate beside each hostile load
@@ -29,10 +32,10 @@ after 200): CPU per call and p50/p99; Allocate beside each hostile load
 process (`bench.callers`); kubelet's dial-back, 1,000 times, and 50 kubelet restarts
 (`bench.scenarios.restarts`; 10 for the Go peer, which notices a restart by looking at its
 socket once a second and then waits 5 s before it serves again). The burst comes before
-everything else but the start: the old daemon's loop woke for each cancelled asyncio timer
-when it fell due (up to 60 s after the call that armed it), and the windows after the burst
-must hold only the burst's. The windows start 33 s after the start, past the start's own
-deadlines but the 60 s idle deadline of kubelet's connection, which falls in the middle window.
+everything else but the start: the old daemon's loop woke for each cancelled asyncio timer when
+it fell due (up to 60 s after the call that armed it), and the windows after the burst must
+hold only the burst's. The windows start 33 s after the start, past the start's own deadlines
+but the 60 s idle deadline of kubelet's connection, which falls in the middle window.
 
 Every CPU figure is the process's CPU clock (every thread's schedstat, the exited ones' too);
 clock ticks (utime + stime, what top shows) are printed beside the windows'. Context switches
@@ -104,12 +107,14 @@ class Sizes:
     dials: int = 1000
     restarts: int = 50
     go_restarts: int = 10
+    # Starts and stops of each contender per pass, the contenders in turns.
+    starts: int = 10
 
 
 QUICK = Sizes(
     idle=2.0, burst=200, after_burst=(0.0, 2.0, 3.0, 5.0), rounds=2, per_round=200,
     hostile_least=100, hostile_seconds=1.0, callers_seconds=1.0, dials=50, restarts=5,
-    go_restarts=1,
+    go_restarts=1, starts=2,
 )  # fmt: skip
 
 
@@ -247,6 +252,30 @@ def go_peer_contender() -> Contender:
     )  # fmt: skip
 
 
+def starts_and_stops(
+    bench: Bench, contenders: Sequence[Contender], count: int
+) -> dict[str, dict[str, float]]:
+    """Each contender started `count` times, in turns, and stopped half a second after it
+    registered: the medians of its start -> registered, of the CPU it used and the context
+    switches it made until then (read once registered), and of its SIGTERM -> exit."""
+    taken: dict[str, list[dict[str, float]]] = {c.name: [] for c in contenders}
+    for _ in range(count):
+        for contender in contenders:
+            assert contender.start is not None
+            running = contender.start(bench)
+            pid = running.daemon.pid
+            cpu_ns, switches = procfs.cpu_ns(pid), procfs.wakeups(pid)
+            time.sleep(0.5)
+            taken[contender.name].append({
+                "starts_ms": running.start_s * 1e3, "start_cpu_ms": cpu_ns / 1e6,
+                "start_switches": switches, "stops_ms": bench.stop(running.daemon) * 1e3,
+            })  # fmt: skip
+    return {
+        name: {key: statistics.median(one[key] for one in each) for key in each[0]}
+        for name, each in taken.items()
+    }
+
+
 def _cpu(pid: int) -> tuple[int, int]:
     return procfs.cpu_ns(pid), procfs.cpu_ticks(pid)
 
@@ -373,7 +402,12 @@ def _rows(sizes: Sizes) -> list[Row]:
     first, second, third, fourth = (f"{bound:g}" for bound in sizes.after_burst)
     window = f"CPU {{}}-{{}} s after a burst of {sizes.burst:,} Allocates, ms (ticks)"
     return [
-        ("start -> registered (ms)", "start_ms", ms_value),
+        (f"start -> registered, median of {sizes.starts} starts (ms)", "starts_ms", ms_value),
+        ("  CPU until registered, median (ms)", "start_cpu_ms", fixed(0)),
+        ("  context switches until registered, median (every thread)", "start_switches",
+         fixed(0)),
+        (f"SIGTERM -> exit, median of {sizes.starts} stops (ms)", "stops_ms", ms_value),
+        ("start -> registered, the turn's start (ms)", "start_ms", ms_value),
         ("idle VmRSS after a scrape and the probes (MiB)", "VmRSS_mib", fixed(1)),
         ("  anonymous (MiB)", "RssAnon_mib", fixed(1)),
         ("  file-backed (MiB)", "RssFile_mib", fixed(1)),
@@ -465,12 +499,13 @@ def run(args: argparse.Namespace, sizes: Sizes) -> tuple[list[Contender], dict[s
             raw: dict[str, list[dict[str, Any]]] = {c.name: [] for c in contenders}
             with SimKubelet(node.plugin_dir) as kubelet:
                 bench = Bench(node, kubelet, cleanup, Report(), env)
+                measured = [contender for contender in contenders if contender.start is not None]
                 for _ in range(args.passes):
-                    for contender in contenders:
-                        if contender.start is None:
-                            continue
+                    cycles = starts_and_stops(bench, measured, sizes.starts)
+                    for contender in measured:
                         bench.report = Report()
-                        results[contender.name].append(turn(bench, contender, sizes))
+                        figures = turn(bench, contender, sizes) | cycles[contender.name]
+                        results[contender.name].append(figures)
                         raw[contender.name].append(bench.report.figures)
     finally:
         node.remove()

@@ -6,7 +6,7 @@
     nox -s bench -- --compare [REV]      # instead: before (REV), after and the Go peer
 
 Each figure with a target (written for a 2-core machine) is marked PASS or MISS; the exit
-code is 0 either way unless ``--strict`` is given. BENCHMARKS.md records runs. The parts:
+code is 0 either way unless ``--strict`` is given. BENCHMARKS.md shows a run of today. The parts:
 `harness` (the daemon on a fake node, a grpcio client), `procfs` (readings), `scenarios` (the
 targets and what is judged against them), `hostile` (hostile clients, peak memory),
 `rollout` (two instances), `image` (the daemon from the built image), `report` (the table);

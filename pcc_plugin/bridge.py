@@ -10,17 +10,18 @@ trio.Event or reads trio.current_time(), trio code sets an asyncio.Event or crea
 task. Only awaiting crosses through here: `call_asyncio` from trio, `call_trio` from asyncio,
 each passing cancellation on and waiting until the other side has finished.
 
-Why this, measured by `python -m bench.bridge_candidates` (BENCHMARKS.md, "The bridge"):
-trio-asyncio 0.16, which ran asyncio's loop as trio tasks, does not import on Python 3.14 (it
-subclasses asyncio classes 3.14 removed) and keeps cancelled asyncio timers, waking for each.
-The other public way, an asyncio loop on a thread of its own, measured the same as guest mode
-(CPU per call and per kubelet dial-back within the runs' noise, both idle at 0), but would make
-every asyncio callback that touches trio's state (a connection's close, kubelet's stream
-opening, a counter) a message between threads and each such state a data race to guard. Guest
-mode needs neither, runs grpclib on asyncio's own loop at asyncio's speed, and uses only public
-API of both libraries. Its one cost, a thread switch each time trio wakes from idle (150 to 200 µs
-of CPU in those runs), is kept off the per-call path: asyncio code wakes trio only for what
-trio must act on (a connection closed, a stream opened), not for every call.
+Why this, measured when it was chosen (`git show fcdcbe9:bench/bridge_candidates.py`, its
+figures in that commit's BENCHMARKS.md, "The bridge"): trio-asyncio 0.16, which ran asyncio's
+loop as trio tasks, does not import on Python 3.14 (it subclasses asyncio classes 3.14 removed)
+and keeps cancelled asyncio timers, waking for each. The other public way, an asyncio loop on a
+thread of its own, measured the same as guest mode (CPU per call and per kubelet dial-back
+within the runs' noise, both idle at 0), but would make every asyncio callback that touches
+trio's state (a connection's close, kubelet's stream opening, a counter) a message between
+threads and each such state a data race to guard. Guest mode needs neither, runs grpclib on
+asyncio's own loop at asyncio's speed, and uses only public API of both libraries. Its one
+cost, a thread switch each time trio wakes from idle (150 to 200 µs of CPU in those runs), is
+kept off the per-call path: asyncio code wakes trio only for what trio must act on (a
+connection closed, a stream opened), not for every call.
 
 An error in an asyncio callback (a transport's, a forgotten task's) is logged and contained;
 asyncio tasks still running when trio's run ends are cancelled and waited for (a bug: each one

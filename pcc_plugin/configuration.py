@@ -135,7 +135,7 @@ async def watch_config_file(
     started = False
     while True:
         await wait_for_directory(path.parent)
-        with open_inotify() as inotify:
+        async with open_inotify() as inotify:
             try:
                 inotify.add_watch(path.parent, _CHANGED | DIR_GONE | Mask.ONLYDIR)
             except (FileNotFoundError, NotADirectoryError):

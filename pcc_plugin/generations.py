@@ -163,14 +163,15 @@ async def supervise_resource(mode: Mode) -> None:
 async def serve_generations(mode: Mode, bug_backoff: Backoff) -> None:
     """One generation after another. Faults back to back wait, an isolated one does not.
 
-    The inotify instance lasts as long as this does: closing one that has a watch blocks the
-    thread until the kernel has torn the watch down (some 10 ms), and a kubelet restart, which
-    ends a generation, is when every millisecond counts.
+    The inotify instance lasts as long as this does: closing one that has a watch returns only
+    once the kernel has torn the watch down (`open_inotify`), which the end of a generation
+    would wait out, and a kubelet restart, which ends a generation, is when every millisecond
+    counts.
     """
     restarts = Backoff(immediate_first=True)
     cause = "start"
     vanished_before = False
-    with open_inotify() as inotify:
+    async with open_inotify() as inotify:
         while True:
             mode.state.waiting(f"waiting for {mode.directory} to be created")
             await wait_for_directory(mode.directory)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
@@ -28,8 +28,12 @@ APPEARED = Mask.CREATE | Mask.MOVED_TO
 VANISHED = Mask.DELETE | Mask.MOVED_FROM
 
 
-@contextmanager
-def open_inotify() -> Iterator[Inotify]:
+@asynccontextmanager
+async def open_inotify() -> AsyncIterator[Inotify]:
+    """An inotify instance, closed on a worker thread: closing one returns only once the kernel
+    has torn its watches down, a grace period of some milliseconds (5 ms here, 20 and more
+    under load), which would stall both loops; the instances a stop closes together wait out
+    their grace periods side by side."""
     try:
         # asyncinotify's InitFlags.NONBLOCK is really O_CLOEXEC: without a true
         # O_NONBLOCK, draining an empty queue would block the whole trio thread.
@@ -45,7 +49,8 @@ def open_inotify() -> Iterator[Inotify]:
         yield inotify
     finally:
         trio.lowlevel.notify_closing(inotify.fd)
-        inotify.close()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(inotify.close)
 
 
 async def next_events(inotify: Inotify) -> list[Event]:
@@ -66,11 +71,6 @@ def pending_events(inotify: Inotify) -> list[Event]:
             events.append(event)
 
 
-def _taken_by_a_file(path: Path) -> bool:
-    """Whether something stands at `path`, which is not a directory."""
-    return path.exists()
-
-
 async def wait_for_directory(path: Path) -> None:
     """Return once `path` is a directory, watching its nearest existing ancestor meanwhile.
 
@@ -78,20 +78,27 @@ async def wait_for_directory(path: Path) -> None:
     """
     announced_file: bool | None = None
     # Looked up before any inotify is opened: the directory is there at every kubelet restart.
-    while (ancestor := nearest_existing_dir(path)) != path:
-        is_file = _taken_by_a_file(path)
+    while (seen := _look(path))[0] != path:
+        ancestor, is_file = seen
         if is_file != announced_file:
             if is_file:
                 log.warning("Waiting for %s to be a directory: it is a file now", path)
             else:
                 log.info("Waiting for %s to be created (kubelet creates it at start)", path)
             announced_file = is_file
-        with open_inotify() as inotify:
+        async with open_inotify() as inotify:
             try:
                 inotify.add_watch(ancestor, APPEARED | DIR_GONE | Mask.ONLYDIR)
             except (FileNotFoundError, NotADirectoryError):
                 continue
             # Watch first, then look: whatever is created after this is an event.
-            if nearest_existing_dir(path) != ancestor or _taken_by_a_file(path) != is_file:
+            if _look(path) != seen:
                 continue
             await next_events(inotify)
+
+
+def _look(path: Path) -> tuple[Path, bool]:
+    """The nearest existing directory of `path` (`path` once it is one), and whether something
+    that is not a directory stands at `path`."""
+    ancestor = nearest_existing_dir(path)
+    return ancestor, ancestor != path and path.exists()

@@ -197,7 +197,7 @@ async def watch_health(
     ]
     started = False
     while True:
-        with open_inotify() as inotify:
+        async with open_inotify() as inotify:
             directories, patterns = _watch_plan(paths)
             try:
                 for directory in directories:

@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     # exception raised in one, SystemExit too, in a group and prints it with its traceback.
     for error in fatal:
         log.error("%s", error)
-    sys.exit(1 if fatal else 0)
+    exit_at_once(1 if fatal else 0)
 
 
 def settle_after_imports() -> None:
@@ -93,14 +93,28 @@ def settle_after_imports() -> None:
 
     The imports make some 35,000 objects that live as long as the process: a full
     collection walking them took 17 to 28 ms, now and then in the middle of kubelet's
-    dial-back after a restart.
+    dial-back after a restart. They are frozen as they are, without a collection first: it
+    took 8 to 11 ms of every start and found some 50 objects of garbage, which stay.
     """
     import gc
     import linecache
 
     linecache.clearcache()
-    gc.collect()
     gc.freeze()
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Exit with `code` once the log is flushed, without the interpreter's teardown.
+
+    By now the daemon has let go of all it holds outside the process (its sockets removed,
+    kubelet's streams closed, the checkpoint's lock released); what is left is memory and
+    descriptors, which the kernel frees at exit. The teardown would free the 400 modules'
+    objects one by one first: 20 to 40 ms of every stop, which a rollout waits on.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def raise_open_file_limit() -> None:

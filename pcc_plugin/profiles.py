@@ -107,7 +107,7 @@ def _sensitive_allowed(
     if hazard and not allowed:
         raise KeyProblem(
             f"{where}.hostPath",
-            f"{hazard}: refused unless this entry sets {OPT_IN}: true (docs/profiles.md)",
+            f"{hazard}: refused unless this entry sets {OPT_IN}: true",
         )
     if allowed and not hazard and not kernel_decides:
         raise KeyProblem(
@@ -151,7 +151,7 @@ def _mount(where: str, value: Any) -> HostMount:
             f"{where}.containerPath",
             f"{container_path} is inside /sys, where container runtimes cannot make a mount "
             "point (a container's /sys is read-only sysfs), so the container would not start: "
-            f"give another path, e.g. /run/{container_path.rpartition('/')[2]} (docs/profiles.md)",
+            f"give another path, e.g. /run/{container_path.rpartition('/')[2]}",
         )
     return HostMount(host_path, container_path, read_only, allow_sensitive=allowed)
 

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 # A followed instance that did not answer while its socket still takes connections
 # (not listening yet, or a killed process whose listener outlives its connections for a
-# moment): follow it again after 20 ms, doubling up to 1 s.
+# moment) is followed again soon, then less often: at once would spin, a flat second left a
+# node at 0 allocatable that long.
 REFOLLOW_FIRST = 0.02
 REFOLLOW_CAP = 1.0
 SUPERSEDER_GONE = "the instance that registered after this one is gone"
@@ -71,11 +72,12 @@ async def follow(path: Path, restart: Callable[[str], None]) -> None:
     backoff = Backoff(first=REFOLLOW_FIRST, cap=REFOLLOW_CAP)
     while True:
         alive, how = await grpc_clients.follow_list_and_watch(path)
-        if not instance_serves(path):
+        serves, still_there = instance_serves(path)
+        if not serves:
             log.warning("%s (%s, %s); registering again", SUPERSEDER_GONE, path.name, how)
             restart(SUPERSEDER_GONE)
             return
-        if not _exists(path):
+        if not still_there:
             return  # it serves on a new socket, which is followed in its turn
         if alive:
             backoff.reset()  # it served us, then closed an idle-looking connection
@@ -84,20 +86,18 @@ async def follow(path: Path, restart: Callable[[str], None]) -> None:
             await trio.sleep(backoff.next_delay())
 
 
-def _exists(path: Path) -> bool:
-    return path.exists()
-
-
-def instance_serves(path: Path) -> bool:
-    """Whether the instance behind `path` serves any socket: after a restart of its own
-    (kubelet restarted, say) it serves a new one, `<prefix>-<pid>-<token>-<n+1>.sock`."""
+def instance_serves(path: Path) -> tuple[bool, bool]:
+    """Whether the instance behind `path` serves any socket (after a restart of its own,
+    kubelet's say, it serves a new one, `<prefix>-<pid>-<token>-<n+1>.sock`), and whether
+    `path` is still there, from one look at the directory."""
     stem = path.name.rsplit("-", 1)[0] + "-"
     try:
         entries = list(path.parent.iterdir())
     except OSError:
-        return False  # the directory went: this generation restarts anyway
-    return any(
+        return False, False  # the directory went: this generation restarts anyway
+    serves = any(
         accepts_connections(entry)
         for entry in entries
         if entry.name.startswith(stem) and entry.name.endswith(".sock")
     )
+    return serves, path in entries

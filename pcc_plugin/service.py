@@ -131,7 +131,8 @@ class DevicePlugin:
             link.stream_closed(is_kubelet)
 
     def get_preferred_allocation(self, data: bytes, call: Call) -> bytes:
-        wire.check_request(data, wire.PREFERRED_ALLOCATION_REQUEST, "PreferredAllocationRequest")
+        # Not offered, so nothing of the request is read: only that it is a message at all.
+        wire.check_request(data, wire.EMPTY, "PreferredAllocationRequest")
         raise GRPCError(
             Status.UNIMPLEMENTED,
             "GetPreferredAllocation is not offered: every share is the same device",

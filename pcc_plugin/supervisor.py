@@ -193,7 +193,8 @@ class Resources:
             served = read(self.config)
         except ConfigError as exc:
             daemon.reload_refused()
-            log.error("Configuration not reloaded, the running one stays: %s", exc)
+            log.error("Configuration not reloaded, the running one stays: %s (see %s)",
+                      exc, exc.see)  # fmt: skip
             return
         if served.mode != self.mode:
             daemon.reload_refused()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Mapping
-from typing import Union
 
 import grpclib.const
 import grpclib.exceptions
@@ -50,18 +49,12 @@ class Kind(enum.Enum):
     VARINT = "varint"
 
 
-# A message's known fields: number -> (name, kind or a nested message's schema).
-Schema = Mapping[int, tuple[str, Union[Kind, "Schema"]]]
+# A flat message's known fields: number -> (name, kind). Messages with repeated or nested
+# fields have readers of their own below, which count as they read.
+Schema = Mapping[int, tuple[str, Kind]]
 
+# Empty, and what a method reads nothing of: its fields are skipped, its framing checked.
 EMPTY: Schema = {}
-CONTAINER_PREFERRED_ALLOCATION_REQUEST: Schema = {
-    1: ("available_deviceIDs", Kind.STRING),
-    2: ("must_include_deviceIDs", Kind.STRING),
-    3: ("allocation_size", Kind.VARINT),
-}
-PREFERRED_ALLOCATION_REQUEST: Schema = {
-    1: ("container_requests", CONTAINER_PREFERRED_ALLOCATION_REQUEST)
-}
 
 # DRA (protos/dra_v1.proto, protos/pluginregistration.proto): the Claim of
 # NodePrepareResourcesRequest and NodeUnprepareResourcesRequest (read by read_claims_request);
@@ -145,10 +138,7 @@ def check(data: bytes, schema: Schema, start: int = 0, end: int | None = None) -
         size, pos = _varint(data, pos, end)
         if pos + size > end:
             raise WireError(f"field {name} claims {size} bytes, {end - pos} follow")
-        if kind is Kind.STRING:
-            found[name] = _text(data, pos, pos + size, name)
-        else:
-            check(data, kind, pos, pos + size)
+        found[name] = _text(data, pos, pos + size, name)
         pos += size
     return found
 

@@ -1,5 +1,5 @@
-"""The package's modules import one another without a cycle, imports inside functions counted;
-no two of its functions or classes share a name.
+"""The package's modules, and those of bench/ and tools/, import one another without a cycle,
+imports inside functions counted; no two of the package's functions or classes share a name.
 
 A cycle works only as long as every module of it happens to be imported in a working order;
 the next import moved to the top of a file breaks it, or a newcomer cannot say which module
@@ -11,13 +11,18 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pcc_plugin"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "pcc_plugin"
+# Each walked tree, and the directory on sys.path its modules are imported from: bench/ as the
+# package `bench` (python -m bench.run), tools/ as top-level modules and the package `e2e`
+# (PYTHONPATH=tools).
+TREES = ((PACKAGE, ROOT), (ROOT / "bench", ROOT), (ROOT / "tools", ROOT / "tools"))
 
 
-def module_names() -> dict[str, Path]:
+def module_names(tree: Path = PACKAGE, root: Path = ROOT) -> dict[str, Path]:
     names = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in tree.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names
 
@@ -66,10 +71,14 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return next(filter(None, (visit(node) for node in sorted(graph))), None)
 
 
-def test_the_package_imports_without_cycles() -> None:
-    modules = module_names()
+def test_the_package_bench_and_tools_import_without_cycles() -> None:
+    modules: dict[str, Path] = {}
+    for tree, root in TREES:
+        modules |= module_names(tree, root)
     graph = {name: imported(name, path, modules) for name, path in modules.items()}
     assert "pcc_plugin.supervisor" in graph["pcc_plugin.main"]  # the walk sees function bodies
+    assert "e2e.harness" in graph["e2e.__main__"]  # and relative imports in tools/
+    assert "e2e.images" in graph["bench.scenarios"]  # and imports from one tree into another
     found = cycle(graph)
     assert found is None, " -> ".join(found)
 

@@ -113,8 +113,8 @@ async def test_a_followed_instance_that_does_not_answer_is_followed_again_soon_t
         return outcomes[len(calls) - 1], "refused"
 
     monkeypatch.setattr(grpc_clients, "follow_list_and_watch", follow_list_and_watch)
-    monkeypatch.setattr(rollout, "instance_serves", lambda path: len(calls) < len(outcomes))
-    monkeypatch.setattr(rollout, "_exists", lambda path: True)
+    # Its socket stays in place until the instance is gone.
+    monkeypatch.setattr(rollout, "instance_serves", lambda path: (len(calls) < len(outcomes), True))
     restarted: list[str] = []
     await rollout.follow(tmp_path / "pcc-1-abcdef-0.sock", restarted.append)
     gaps = [later - earlier for earlier, later in itertools.pairwise(calls)]

@@ -171,7 +171,7 @@ def main(argv: Sequence[str]) -> NoReturn:
         if not config.config:
             flags.usage_error(PROG, str(exc))
         # The daemon keeps what it runs: kubelet and the daemon can still be checked.
-        config_problem = str(exc)
+        config_problem = f"{exc} (see {exc.see})"
     results: list[Result] = []
 
     def report(result: Result) -> None:

@@ -29,5 +29,5 @@ Modules (run as ``PYTHONPATH=tools python -m e2e``, see ``__main__``):
 docs/e2e.md says how to run them, what they check and what they leave behind.
 """
 
-# The cluster's stages, in order (cluster.run; `python -m e2e cluster --only`).
+# The cluster's stages, in order (harness.run_cluster; `python -m e2e cluster --only`).
 CLUSTER_STAGES = ("node", "fleet", "dra", "fleet-dra")

@@ -48,7 +48,6 @@ import itertools
 import os
 import re
 import secrets
-import shutil
 import statistics
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -58,9 +57,8 @@ import attrs
 import trio
 import yaml
 
-from . import CLUSTER_STAGES, api, kube, kubelet_log, legs, pods
+from . import api, kube, kubelet_log, legs, pods
 from .control_plane import ControlPlane
-from .fleet import Fleet
 from .kube import Obj
 from .node import NODE_NAME, Node
 from .poll import wait_for
@@ -897,82 +895,3 @@ async def administer(cluster: kube.Api) -> None:
             return None
 
     await wait_for(f"{CONSUMERS}'s default service account", default_account, 60)
-
-
-STAGES = CLUSTER_STAGES
-
-
-async def run(
-    fleet: Fleet,
-    control_plane: ControlPlane,
-    report: Report,
-    plugin_reference: str,
-    stages: tuple[str, ...] = STAGES,
-) -> None:
-    """The control plane and every node's kubelet started, then the stages: ``node`` checks 1 to
-    8 on node A, ``fleet`` the device plugin on the whole fleet (fleet_checks.py), ``dra`` check 9
-    on node A, ``fleet-dra`` the DRA driver on the whole fleet."""
-    from . import cluster_dra, fleet_checks
-    from .harness import start_kubelet
-
-    node = fleet.a
-    report.variant = report.column = "cluster"
-    for name, seconds in (await control_plane.start()).items():
-        report.figure(f"{name} started → answers", seconds)
-    await start_kubelet(node)
-    for member in fleet.members.values():
-        await member[1].kubelet.start()
-    cluster_api = kube.Api(control_plane)
-    watches = {
-        name: kube.Watch(cluster_api, path)
-        for name, path in (
-            ("pods", "/api/v1/pods"),
-            ("nodes", "/api/v1/nodes"),
-            ("daemonsets", f"/apis/apps/v1/namespaces/{SYSTEM}/daemonsets"),
-            ("slices", "/apis/resource.k8s.io/v1/resourceslices"),
-            ("claims", "/apis/resource.k8s.io/v1/resourceclaims"),
-        )
-    }
-    async with trio.open_nursery() as nursery:
-        for watch in watches.values():
-            await nursery.start(watch.run)
-
-        def all_ready() -> dict[str, str] | None:
-            versions = {}
-            for name in fleet.nodes:
-                found = watches["nodes"].current.get(f"/{name}")
-                if found is None or not condition(found, "Ready"):
-                    return None
-                versions[name] = found["status"]["nodeInfo"]["kubeletVersion"]
-            return versions
-
-        versions = await watches["nodes"].until("every Node of the fleet Ready", all_ready, 120)
-        report.figure("kubelet started → Node Ready", now() - node.kubelet.started_at)
-        await administer(cluster_api)
-        report.check(
-            f"the cluster: {len(versions)} Nodes Ready ("
-            + ", ".join(f"{name} kubelet {version}" for name, version in versions.items())
-            + f"); kube-system at PodSecurity privileged, {CONSUMERS} at the default, baseline"
-        )
-        manifests = node.state / "operator" / "manifests"
-        shutil.copytree(REPOSITORY / "manifests", manifests)
-        cluster = Cluster(
-            node, control_plane, report, cluster_api, watches["pods"], watches["nodes"],
-            watches["daemonsets"], manifests, plugin_reference,
-        )  # fmt: skip
-        if "node" in stages:
-            await cluster.install()
-            await cluster.consumers()
-            await cluster.rollouts()
-            await cluster.overlays()
-            await cluster.observability()
-            await cluster.kubelet_restarts()
-            await cluster_dra.migrate_and_back(cluster, watches["slices"], watches["claims"])
-            await cluster.uninstall()
-        if "fleet" in stages:
-            await fleet_checks.device_plugin(cluster, fleet)
-        if "dra" in stages:
-            await cluster_dra.run(cluster, watches["slices"], watches["claims"])
-        if "fleet-dra" in stages:
-            await fleet_checks.dra(cluster, fleet, watches["slices"], watches["claims"])
-        nursery.cancel_scope.cancel()

@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from .control_plane import ControlPlane
-from .node import NODE_NAME, Node
+from .node import NODE_NAME, Node, own_directories
 from .scenario import DEVICE, DEVICE_NUMBER, PCC_DIR
 
 CGROUPS = Path("/sys/fs/cgroup")
@@ -87,8 +87,6 @@ def _run(*argv: str) -> None:
 def hold(state: Path) -> int:
     """``python -m e2e fleet-node``, run by ``unshare`` in a member's new mount and network
     namespaces: make them the node's, say so, and hold them until the harness ends."""
-    from .node import own_directories
-
     own_directories(state)
     for setting, value in (("ip_forward", "1"), ("conf/all/rp_filter", "0")):
         Path("/proc/sys/net/ipv4", setting).write_text(value)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import trio
 
-from . import api, pods, scenario
+from . import CLUSTER_STAGES, api, cluster_dra, fleet_checks, kube, pods, scenario
 from . import fleet as fleet_
+from .cluster import CONSUMERS, REPOSITORY, SYSTEM, Cluster, administer, condition
 from .control_plane import ControlPlane
 from .node import CONTAINERD_SOCKET, NODE_NAME, Node, privatise
 from .poll import wait_for
@@ -159,6 +160,79 @@ def keep_pod_logs(logs: Path, nodes: list[Node]) -> None:
             shutil.copytree(source, target, symlinks=False, dirs_exist_ok=True)
 
 
+async def run_cluster(
+    fleet: fleet_.Fleet,
+    control_plane: ControlPlane,
+    report: Report,
+    plugin_reference: str,
+    stages: tuple[str, ...] = CLUSTER_STAGES,
+) -> None:
+    """The control plane and every node's kubelet started, then the stages: ``node`` checks 1 to
+    8 on node A, ``fleet`` the device plugin on the whole fleet (fleet_checks.py), ``dra`` check 9
+    on node A, ``fleet-dra`` the DRA driver on the whole fleet."""
+    node = fleet.a
+    report.variant = report.column = "cluster"
+    for name, seconds in (await control_plane.start()).items():
+        report.figure(f"{name} started → answers", seconds)
+    await start_kubelet(node)
+    for member in fleet.members.values():
+        await member[1].kubelet.start()
+    cluster_api = kube.Api(control_plane)
+    watches = {
+        name: kube.Watch(cluster_api, path)
+        for name, path in (
+            ("pods", "/api/v1/pods"),
+            ("nodes", "/api/v1/nodes"),
+            ("daemonsets", f"/apis/apps/v1/namespaces/{SYSTEM}/daemonsets"),
+            ("slices", "/apis/resource.k8s.io/v1/resourceslices"),
+            ("claims", "/apis/resource.k8s.io/v1/resourceclaims"),
+        )
+    }
+    async with trio.open_nursery() as nursery:
+        for watch in watches.values():
+            await nursery.start(watch.run)
+
+        def all_ready() -> dict[str, str] | None:
+            versions = {}
+            for name in fleet.nodes:
+                found = watches["nodes"].current.get(f"/{name}")
+                if found is None or not condition(found, "Ready"):
+                    return None
+                versions[name] = found["status"]["nodeInfo"]["kubeletVersion"]
+            return versions
+
+        versions = await watches["nodes"].until("every Node of the fleet Ready", all_ready, 120)
+        report.figure("kubelet started → Node Ready", now() - node.kubelet.started_at)
+        await administer(cluster_api)
+        report.check(
+            f"the cluster: {len(versions)} Nodes Ready ("
+            + ", ".join(f"{name} kubelet {version}" for name, version in versions.items())
+            + f"); kube-system at PodSecurity privileged, {CONSUMERS} at the default, baseline"
+        )
+        manifests = node.state / "operator" / "manifests"
+        shutil.copytree(REPOSITORY / "manifests", manifests)
+        checks = Cluster(
+            node, control_plane, report, cluster_api, watches["pods"], watches["nodes"],
+            watches["daemonsets"], manifests, plugin_reference,
+        )  # fmt: skip
+        if "node" in stages:
+            await checks.install()
+            await checks.consumers()
+            await checks.rollouts()
+            await checks.overlays()
+            await checks.observability()
+            await checks.kubelet_restarts()
+            await cluster_dra.migrate_and_back(checks, watches["slices"], watches["claims"])
+            await checks.uninstall()
+        if "fleet" in stages:
+            await fleet_checks.device_plugin(checks, fleet)
+        if "dra" in stages:
+            await cluster_dra.run(checks, watches["slices"], watches["claims"])
+        if "fleet-dra" in stages:
+            await fleet_checks.dra(checks, fleet, watches["slices"], watches["claims"])
+        nursery.cancel_scope.cancel()
+
+
 async def main(args: argparse.Namespace) -> int:
     state, logs = Path(args.state), Path(args.logs)
     privatise(state)
@@ -187,8 +261,6 @@ async def main(args: argparse.Namespace) -> int:
                         yardstick=args.yardstick and Path(args.yardstick),
                     )  # fmt: skip
                 else:
-                    from . import cluster
-
                     node.write_cni_config()
                     kubelets = {"kubelet": node.kubelet_binary,
                                 "kubelet-1.35": Path(args.kubelet_1_35)}  # fmt: skip
@@ -201,8 +273,8 @@ async def main(args: argparse.Namespace) -> int:
                                 start_containerd_with_images, each, args, report, set(),
                                 consumer_images,
                             )  # fmt: skip
-                    await cluster.run(fleet, control_plane, report, args.plugin_reference,
-                                      tuple(args.only or cluster.STAGES))  # fmt: skip
+                    await run_cluster(fleet, control_plane, report, args.plugin_reference,
+                                      tuple(args.only or CLUSTER_STAGES))  # fmt: skip
                 outcome = "failed" if report.failures else "passed"
             except Exception as error:
                 outcome = "failed"
