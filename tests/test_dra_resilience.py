@@ -251,6 +251,32 @@ async def test_what_the_publisher_remembers_of_its_writes_stays_bounded(
     assert len(publisher._written) <= len(api.slices)
 
 
+async def test_a_watch_event_older_than_the_drivers_own_write_leaves_the_slices_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The watch runs behind the writes (a loaded node): the events of the last write but one
+    come after the last write's answer. They are history: no news, and no write from a stale
+    copy (which kube-apiserver would refuse as a conflict, one wasted write per event)."""
+    api: Any = MemoryApi()
+    healthy = [True]
+
+    def wanted(pool: slices.Pool) -> list[dict[str, Any]]:
+        return slices.desired(pool, SPEC, HEALTHY if healthy[0] else ())
+
+    publisher = slices.Publisher(api, slices.Pool(DRIVER, NODE, api.node), wanted, OLDER,
+                                 lambda other: True, taints.Unhealthy(DRIVER))  # fmt: skip
+    await publisher.relist()
+    for state in (False, True):
+        healthy[0] = state
+        await publisher.reconcile()
+    assert len(api.writes) == 2
+    for _, kind, obj in api.events:
+        publisher._seen(kind, json.loads(json.dumps(obj)))
+    assert not publisher.news.is_set()
+    await publisher.reconcile()
+    assert len(api.writes) == 2
+
+
 OTHER_SPEC = pcc_resource(SPEC.name, 16, "/dev/sev-guest", "/var/run/pcc-b")
 OTHER = tuple(Device(f"pcc-{i}", "pcc", OTHER_SPEC.device_nodes, None) for i in range(16))
 

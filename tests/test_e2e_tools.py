@@ -23,7 +23,10 @@ import attrs
 import pytest
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+# The root too: the cluster's checks read the audit log with the scale benchmark's code
+# (bench/scale/audit.py), as `python -m e2e` does from the root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from e2e import __main__ as e2e_main
 from e2e import builds, cluster_dra, harness, kubelet_log, legs, pods
 from e2e.node import Daemon, Node

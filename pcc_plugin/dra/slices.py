@@ -314,14 +314,19 @@ class Publisher:
         if kind == "BOOKMARK":
             return
         name = str(metadata.get("name") or "")
-        self._events[name] = _revision(version)
+        revision = _revision(version)
+        written = self._written.get(name)
+        if written is not None and revision <= _revision(written):
+            # This instance's own write, or an event from before it that a loaded watch
+            # brings late: the slice as written is newer than what the event says.
+            if revision == _revision(written):
+                del self._written[name]
+            return
+        self._events[name] = revision
         if kind == "DELETED":
             self.slices.pop(name, None)
         else:
             self.slices[name] = obj
-        if kind != "DELETED" and self._written.get(name) == version:
-            del self._written[name]
-            return
         if (
             self._writing
             and kind != "DELETED"
