@@ -101,3 +101,18 @@ def test_the_walk_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycle(graph) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_doctor_loads_no_api_client() -> None:
+    """`pcc-device-plugin doctor` checks a node's files and sockets: the DRA mode's API client
+    (and httpx under it) is not its to load, anywhere in its code."""
+    modules = module_names()
+    graph = {name: imported(name, path, modules) for name, path in modules.items()}
+    reached, todo = set(), ["pcc_plugin.doctor.cli"]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo.extend(graph[name])
+    assert "pcc_plugin.dra.sockets" in reached  # the walk gets as far as the DRA mode's names
+    assert "pcc_plugin.dra.kube" not in reached

@@ -7,8 +7,7 @@ from pathlib import Path
 from pcc_plugin import grpc_clients
 from pcc_plugin.doctor.kubelet import CHECK_TIMEOUT, sockets_newest_first
 from pcc_plugin.doctor.report import DAEMON_LOG, Result, failed, passed
-from pcc_plugin.dra.service import DRA_V1, PLUGIN_TYPE
-from pcc_plugin.dra.sockets import is_registration_socket
+from pcc_plugin.dra.sockets import DRA_V1, PLUGIN_TYPE, is_registration_socket
 from pcc_plugin.fs import connect_error
 
 # The driver serves no such method, so a live DRA socket answers UNIMPLEMENTED.

@@ -18,6 +18,7 @@ from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1, v1beta1
 from pcc_plugin.bridge import call_trio
 from pcc_plugin.dra import health
 from pcc_plugin.dra.claims import ClaimRef, Preparer
+from pcc_plugin.dra.sockets import DRA_V1, DRA_V1BETA1, PLUGIN_TYPE
 from pcc_plugin.grpc_server import Call, GRPCError, MethodSpec, Status
 from pcc_plugin.klog import V1
 from pcc_plugin.state import ResourceState
@@ -25,9 +26,6 @@ from pcc_plugin.state import ResourceState
 log = logging.getLogger(__name__)
 
 REGISTRATION = "/pluginregistration.Registration/"
-DRA_V1 = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/"
-DRA_V1BETA1 = "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/"
-PLUGIN_TYPE = "DRAPlugin"
 # What GetInfo offers, preferred first: kubelet takes the first it knows (and, apart, the first
 # of the health services, dra/health.py).
 SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]

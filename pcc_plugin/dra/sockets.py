@@ -4,7 +4,8 @@ The DRA socket (`<plugins>/<driver>/dra-<token>.sock`) serves before the registr
 socket (`<plugins_registry>/<driver>-<token>-reg.sock`) exists: kubelet dials the DRA socket
 as soon as it has registered the driver. The token is the pod's UID (--pod-uid) or this
 process's own, so the two instances of a rolling update never share a name; each removes its
-own sockets when it stops. Light on purpose: the doctor and the flags' checks use it.
+own sockets when it stops. Light on purpose: the doctor and the flags' checks use it, and
+the doctor loads no API client.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from pcc_plugin.plugin_dir import process_token
 
 MAX_SOCKET_PATH_BYTES = 107
 REGISTRATION_SUFFIX = "-reg.sock"
+# What kubelet's plugin watcher and the DRA socket's clients see of the driver: its type, and
+# the services it serves by version.
+PLUGIN_TYPE = "DRAPlugin"
+DRA_V1 = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/"
+DRA_V1BETA1 = "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/"
 
 
 def state_dir(config: Flags) -> Path:
