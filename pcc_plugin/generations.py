@@ -173,7 +173,7 @@ async def serve_generations(mode: Mode, bug_backoff: Backoff) -> None:
     vanished_before = False
     async with open_inotify() as inotify:
         while True:
-            mode.state.waiting(f"waiting for {mode.directory} to be created")
+            mode.state.directory_awaited(mode.directory)
             await wait_for_directory(mode.directory)
             mode.state.generation_started()
             async with trio.open_nursery() as nursery:

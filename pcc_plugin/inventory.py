@@ -127,6 +127,7 @@ class Inventory:
             if self._missing is not None:
                 log.info("%s: %s is in place after %.3f s of waiting; serving", self.spec.name,
                          self._missing, time.monotonic() - self._waiting_since)  # fmt: skip
+                self._state.paths_in_place()
             self.in_place.set()
             return True
         if missing.path != self._missing:
@@ -135,7 +136,7 @@ class Inventory:
             self._missing = missing.path
             log.warning("%s: waiting for %s before serving: %s", self.spec.name, missing.path,
                         missing.message)  # fmt: skip
-            self._state.waiting(f"waiting for {missing.path} ({missing.problem})")
+            self._state.path_awaited(missing.path, missing.problem)
         return False
 
 

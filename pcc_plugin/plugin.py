@@ -46,7 +46,6 @@ class DevicePluginMode:
         """Serve on a fresh socket, watch the directory, and register."""
         spec, plugin_dir, nursery = self.plugin.spec, self.directory, generation.nursery
         endpoint = next(self._names)
-        self.state.waiting("registering with kubelet")
         link = KubeletLink(self.state)
         server = grpc_server.Server(
             self.plugin.methods(link), self.state.handler_failed, link.connection_closed

@@ -131,7 +131,7 @@ class Kubelet:
         while True:
             if not is_socket(kubelet_socket):
                 what = "is not a socket" if kubelet_socket.exists() else "does not exist"
-                self.state.waiting(f"waiting for kubelet: {kubelet_socket} {what}")
+                self.state.kubelet_awaited(kubelet_socket, what)
                 log.info("Waiting for kubelet: %s %s yet", kubelet_socket, what)
                 # The watcher restarts this generation when kubelet creates it.
                 await trio.sleep_forever()
@@ -142,7 +142,7 @@ class Kubelet:
             try:
                 await self.call(kubelet_socket, request, REGISTER_TIMEOUT)
             except grpc_clients.RegisterFailed as exc:
-                self.state.waiting(f"registration failed: {exc}")
+                self.state.registration_refused(str(exc))
                 if isinstance(exc, grpc_clients.Unreachable):
                     self.outage.failed(str(exc))
                 else:
@@ -187,7 +187,7 @@ async def reregister_when_stream_ends(
         what = "takes no connections" if kubelet_socket.exists() else "does not exist"
         log.info("Waiting for kubelet: its ListAndWatch stream ended and %s %s",
                  kubelet_socket, what)  # fmt: skip
-        link.state.waiting(f"waiting for kubelet: {kubelet_socket} {what}")
+        link.state.kubelet_awaited(kubelet_socket, what)
         await trio.sleep_forever()
     if identity(kubelet_socket) != link.kubelet:
         log.info("kubelet's ListAndWatch stream ended and %s is new: registering again",

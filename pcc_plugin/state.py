@@ -53,13 +53,19 @@ class ResourceState:
     # has no stream, and is ready only while its ResourceSlices are published.
     needs_stream: bool = True
     registered: bool = False
-    # Why the resource is not ready, while it is not registered.
-    waiting_for: str = "not registered with kubelet yet"
     kubelet_stream_open: bool = False
+    # What keeps it from registering, each set by what happened and cleared by what ends it;
+    # `not_ready_reason` alone says which one /readyz tells. A fixed path missing at start;
+    # kubelet's directory; a filesystem fault in it; kubelet's socket; kubelet's refusal (or,
+    # for a device plugin, a failed call); whether a generation serves and registers.
+    path_missing: str | None = None
+    directory_missing: Path | None = None
+    serving_problem: str | None = None
+    kubelet_problem: str | None = None
+    refusal: str | None = None
+    registering: bool = False
     # Why the DRA driver's ResourceSlices are not as the node is (None once they are).
     slices_problem: str | None = None
-    # Why its sockets cannot be served (a filesystem fault), while they cannot.
-    serving_problem: str | None = None
     # Generations served, why the last one ended, how long the last that ended in a fault
     # waited before the next, and all such waits together.
     generation: int = 0
@@ -97,13 +103,33 @@ class ResourceState:
         """Each thing the resource waits for, `; ` between them; None when it is ready."""
         reasons = []
         if not self.registered:
-            reasons.append(self.waiting_for)
+            reasons.append(self._why_not_registered())
         elif self.needs_stream and not self.kubelet_stream_open:
             reasons.append("registered, but kubelet's ListAndWatch stream is not open")
         # The slices do not wait for kubelet: an API server out of reach is said meanwhile.
         if self.slices_problem:
             reasons.append(self.slices_problem)
         return "; ".join(reasons) or None
+
+    def _why_not_registered(self) -> str:
+        """What it waits for first: a missing path before its directory, before kubelet."""
+        if self.path_missing:
+            return f"waiting for {self.path_missing}"
+        if self.directory_missing:
+            return f"waiting for {self.directory_missing} to be created"
+        if self.serving_problem:
+            return self.serving_problem
+        if self.kubelet_problem:
+            return f"waiting for kubelet: {self.kubelet_problem}"
+        if self.refusal:
+            if self.needs_stream:
+                return f"registration failed: {self.refusal}"
+            return f"kubelet refused the registration: {self.refusal}"
+        if self.registering:
+            return "registering with kubelet" if self.needs_stream else (
+                "waiting for kubelet to register the driver"
+            )  # fmt: skip
+        return "not registered with kubelet yet"
 
     def next_change(self) -> trio.Event:
         """Set at the next change of what readiness depends on."""
@@ -115,22 +141,48 @@ class ResourceState:
 
     # Serving and registering
 
-    def waiting(self, reason: str) -> None:
-        """Not registered (any more), for this reason."""
+    def _unregistered(self) -> None:
         self.registered = False
-        self.waiting_for = reason
         self._notify()
+
+    def path_awaited(self, path: str, problem: str) -> None:
+        """A path the resource hands out is missing at start: it waits for it."""
+        self.path_missing = f"{path} ({problem})"
+        self._unregistered()
+
+    def paths_in_place(self) -> None:
+        self.path_missing = None
+        self._notify()
+
+    def directory_awaited(self, directory: Path) -> None:
+        """The next generation waits for kubelet's directory."""
+        self.directory_missing = directory
+        self._unregistered()
+
+    def generation_started(self) -> None:
+        """Serving afresh, in the directory: registering, with nothing refused yet."""
+        self.generation += 1
+        self.directory_missing = self.kubelet_problem = self.refusal = None
+        self.registering = True
+        self._unregistered()
+
+    def kubelet_awaited(self, socket: Path, what: str) -> None:
+        """kubelet's socket is not there to register with (`what` it is instead)."""
+        self.kubelet_problem = f"{socket} {what}"
+        self._unregistered()
+
+    def registration_refused(self, error: str) -> None:
+        self.refusal = error
+        self._unregistered()
 
     def registered_with_kubelet(self, cause: str) -> None:
         self.registered = True
+        self.kubelet_problem = self.refusal = None
         self.registrations[cause] += 1
         self._notify()
 
     def kubelet_restarted(self) -> None:
         self.kubelet_restarts += 1
-
-    def generation_started(self) -> None:
-        self.generation += 1
 
     def generation_ended(self, reason: str, delay: float) -> None:
         """It ended for `reason`; the next waits `delay` (after a fault of the plugin's own)."""
@@ -143,7 +195,7 @@ class ResourceState:
         """Whether the problem is new (a retry of the same one is not said again)."""
         new = problem != self.serving_problem
         self.serving_problem = problem
-        self.waiting(problem)
+        self._unregistered()
         return new
 
     def serving(self) -> str | None:

@@ -116,7 +116,7 @@ async def test_faults_are_forgotten_once_the_resource_has_been_ready_a_while(
         state.registered_with_kubelet("start")
         # Ready, but not for long enough: nothing is forgotten.
         await trio.sleep(STABLE_AFTER / 2)
-        state.waiting("kubelet went away")
+        state.kubelet_awaited(Path("/kubelet.sock"), "does not exist")
         await trio.sleep(STABLE_AFTER * 2)
         assert backoff.attempt == 3
         state.registered_with_kubelet("start")

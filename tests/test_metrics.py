@@ -22,6 +22,7 @@ from pcc_plugin.sim import (
     run_blocking,
     unneeded_imports,
 )
+from pcc_plugin.state import ResourceState
 
 
 async def registered(daemon: Daemon, kubelet: SimKubelet, count: int = 1) -> None:
@@ -237,3 +238,42 @@ async def test_registering_imports_only_what_it_needs_and_metrics_only_when_on(
         # Not a word about metrics: no serving line, and no warning either.
         assert "/metrics" not in log
         assert "Metrics and probes" not in log
+
+
+def test_readyz_says_what_the_state_holds_whatever_was_told_last() -> None:
+    """/readyz's reason is decided by the state in one place, not by whichever module wrote
+    last: the first thing waited for is said, and each thing is forgotten by what ends it."""
+    sock = Path("/k/kubelet.sock")
+    state = ResourceState(RESOURCE)
+    assert state.not_ready_reason() == "not registered with kubelet yet"
+    state.path_awaited("/dev/sev-guest", "does not exist")
+    state.directory_awaited(Path("/k"))
+    assert state.not_ready_reason() == "waiting for /dev/sev-guest (does not exist)"
+    state.paths_in_place()
+    assert state.not_ready_reason() == "waiting for /k to be created"
+    state.generation_started()
+    assert state.not_ready_reason() == "registering with kubelet"
+    state.kubelet_awaited(sock, "does not exist")
+    state.registration_refused("it said no")
+    assert state.not_ready_reason() == "waiting for kubelet: /k/kubelet.sock does not exist"
+    state.registered_with_kubelet("start")
+    assert state.not_ready_reason() == "registered, but kubelet's ListAndWatch stream is not open"
+    state.generation_started()
+    state.registration_refused("it said no")
+    assert state.not_ready_reason() == "registration failed: it said no"
+    state.cannot_serve("cannot serve in /k: [Errno 28] No space left on device")
+    assert state.not_ready_reason() == "cannot serve in /k: [Errno 28] No space left on device"
+
+    driver = ResourceState(RESOURCE, needs_stream=False)
+    driver.slices_not_published("the API server cannot be reached")
+    driver.generation_started()
+    assert driver.not_ready_reason() == (
+        "waiting for kubelet to register the driver; the API server cannot be reached"
+    )
+    driver.registration_refused("too old")
+    assert driver.not_ready_reason() == (
+        "kubelet refused the registration: too old; the API server cannot be reached"
+    )
+    driver.registered_with_kubelet("start")
+    driver.slices_published()
+    assert driver.not_ready_reason() is None

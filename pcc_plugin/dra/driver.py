@@ -148,7 +148,6 @@ class DraMode:
         remove_stale_sockets(earlier_sockets(config))
         # Beside the sockets, not before them: it waits for the lock another instance may hold.
         generation.nursery.start_soon(self.preparer.restore_specs)
-        self.state.waiting("waiting for kubelet to register the driver")
         registration_path, dra_path = socket_paths(config)
         report = self.state.handler_failed
         registration = registration_methods(

@@ -62,7 +62,7 @@ def registration_methods(
             state.registered_with_kubelet(cause)
             log.info("Registered DRA driver %s with kubelet", driver)
         else:
-            state.waiting(f"kubelet refused the registration: {status.error}")
+            state.registration_refused(status.error)
             log.error("Kubelet refused the registration of DRA driver %s: %s", driver,
                       status.error)  # fmt: skip
         return b""
