@@ -5,12 +5,25 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import trio
 import trio.testing
 
-from pcc_plugin import bridge
+from pcc_plugin import bridge, grpc_server
+from pcc_plugin.dra import claims
+from pcc_plugin.dra.checkpoint import Checkpoint
+from pcc_plugin.dra.health import HealthFeed, health_methods
+from pcc_plugin.dra.service import dra_methods
+from pcc_plugin.dra.sockets import DRA_V1
+from pcc_plugin.inventory import Inventory
+from pcc_plugin.resource import Device, pcc_resource
+from pcc_plugin.sim import run_blocking
+from pcc_plugin.sim._pb import dra_health_v1_pb2, dra_v1_pb2
+from pcc_plugin.state import ResourceState
 
 pytestmark = pytest.mark.asyncio_host
 
@@ -195,3 +208,90 @@ def test_run_takes_a_clock_for_trio_only() -> None:
         return trio.current_time()
 
     assert bridge.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) >= 3600
+
+
+class Crossings(trio.abc.Instrument):
+    """Tasks started across the bridge: trio tasks in its portal (`call_trio`), asyncio tasks
+    awaiting trio's calls (`call_asyncio`) counted by the loop's task factory."""
+
+    def __init__(self) -> None:
+        self.into_trio = 0
+        self.into_asyncio = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        nursery = task.parent_nursery
+        if nursery is not None and nursery.parent_task.name.endswith("bridge._with_portal"):
+            self.into_trio += 1
+
+    def factory(self, loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        if getattr(coro, "__qualname__", "") == "_awaited":
+            self.into_asyncio += 1
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+
+async def test_a_dra_call_crosses_once_each_way_and_a_health_report_once(
+    tmp_path: Path, host: Path
+) -> None:
+    """NodePrepareResources: asyncio (grpclib) to trio and back with the answer, nothing more;
+    a health report: trio to asyncio (grpclib's send) and back. Over a real socket, kubelet's
+    side in grpcio."""
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 4, "/dev/sev-guest", "/var/run/pcc")
+    state = ResourceState(spec.name, needs_stream=False)
+
+    async def get_claim(namespace: str, name: str) -> dict[str, Any]:
+        result = {"request": "pcc", "driver": "pcc.example.com", "pool": "node", "device": name}
+        return {"metadata": {"uid": f"uid-{name}"},
+                "status": {"allocation": {"devices": {"results": [result]}}}}  # fmt: skip
+
+    preparer = claims.Preparer(
+        "pcc.example.com", "node", Inventory(spec, str(host), state), state,
+        Checkpoint(tmp_path / "state", "pcc.example.com"), tmp_path / "cdi", "owner", get_claim,
+    )  # fmt: skip
+    (tmp_path / "state").mkdir()
+    feed = HealthFeed("node")
+    devices = (Device("pcc-0", "pcc", spec.device_nodes, None),)
+    feed.update(devices)
+    server = grpc_server.Server(
+        {**dra_methods(preparer), **health_methods(feed)}, state.handler_failed
+    )
+    path = tmp_path / "dra.sock"
+    crossings = Crossings()
+    loop = asyncio.get_running_loop()
+    channel = grpc.insecure_channel(f"unix://{path}")
+    prepare = channel.unary_unary(
+        DRA_V1 + "NodePrepareResources",
+        request_serializer=dra_v1_pb2.NodePrepareResourcesRequest.SerializeToString,
+        response_deserializer=dra_v1_pb2.NodePrepareResourcesResponse.FromString,
+    )
+    watch = channel.unary_stream(
+        "/v1.DRAResourceHealth/NodeWatchResources",
+        request_serializer=dra_health_v1_pb2.NodeWatchResourcesRequest.SerializeToString,
+        response_deserializer=dra_health_v1_pb2.NodeWatchResourcesResponse.FromString,
+    )
+
+    def prepared(name: str) -> str:
+        claim = dra_v1_pb2.Claim(namespace="default", name=name, uid=f"uid-{name}")
+        answer = prepare(dra_v1_pb2.NodePrepareResourcesRequest(claims=[claim]), timeout=10)
+        return str(answer.claims[f"uid-{name}"].error)
+
+    trio.lowlevel.add_instrument(crossings)
+    loop.set_task_factory(crossings.factory)
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(grpc_server.serve, server, path)
+                reports = watch(dra_health_v1_pb2.NodeWatchResourcesRequest())
+                assert await run_blocking(prepared, "pcc-0") == ""  # the connection is up
+                assert len((await run_blocking(next, reports)).devices) == 1
+                crossings.into_trio = crossings.into_asyncio = 0
+                assert await run_blocking(prepared, "pcc-1") == ""
+                assert (crossings.into_trio, crossings.into_asyncio) == (1, 0)
+                feed.update((*devices, Device("pcc-1", "pcc", spec.device_nodes, None)))
+                assert len((await run_blocking(next, reports)).devices) == 2
+                assert (crossings.into_trio, crossings.into_asyncio) == (1, 1)
+                reports.cancel()
+                nursery.cancel_scope.cancel()
+    finally:
+        loop.set_task_factory(None)
+        trio.lowlevel.remove_instrument(crossings)
+        channel.close()
