@@ -50,7 +50,9 @@ class Pasted:
     left: list[Path]
     logs: str
     # The command lines of what was still running when the shell ended, now killed.
-    left_running: list[str]
+    # What was still running and killed, by process ID: its command line as last read (a
+    # forked shell not yet the program it runs shows the shell's).
+    left_running: dict[int, str]
 
     @property
     def failed(self) -> str:
@@ -64,7 +66,7 @@ class Pasted:
 
     def why(self) -> str:
         """What to read when the run did not pass: the failed command first."""
-        running = [f"still running, killed: {command}" for command in self.left_running]
+        running = [f"still running, killed: {command}" for command in self.left_running.values()]
         return "\n".join([f"failed: {self.failed}", *running, "the shell said:", self.said,
                           self.logs])  # fmt: skip
 
@@ -118,9 +120,9 @@ def _command_if_marked(pid: int, mark: str) -> str | None:
     return None
 
 
-async def kill_marked(mark: str) -> list[str]:
+async def kill_marked(mark: str) -> dict[int, str]:
     """Kill every process of `marked(mark)` and wait for each to end; their command lines."""
-    killed = []
+    killed = {}
     for pid, command in marked(mark).items():
         try:
             # A pidfd names this process, not whatever may take its number once it ends.
@@ -132,7 +134,7 @@ async def kill_marked(mark: str) -> list[str]:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 with trio.fail_after(10):
                     await trio.lowlevel.wait_readable(pidfd)  # readable once it has ended
-                killed.append(command)
+                killed[pid] = command
         finally:
             os.close(pidfd)
     return killed

@@ -38,7 +38,7 @@ async def test_the_laptop_recipe_runs_as_written(tmp_path: Path) -> None:
     said = run.said
     assert run.code == 0, run.why()
     assert run.left == [], "the recipe left its directory behind"
-    assert run.left_running == [], "the recipe left processes running"
+    assert run.left_running == {}, "the recipe left processes running"
     assert "Traceback" not in said
     assert "The simulator serves in" in said
     # prepare: the allocation, kubelet's answer and the spec, naming the node's device and mount
