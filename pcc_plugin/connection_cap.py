@@ -18,7 +18,7 @@ class Capped(Protocol):
     @property
     def sent_request(self) -> bool: ...
 
-    def evict(self) -> None:
+    def close(self) -> None:
         """Close the connection, from outside its task."""
 
 
@@ -45,7 +45,7 @@ class ConnectionCap(Generic[C]):
             self._full.log("%d %s open, the limit: closing the oldest that sent no request",
                            len(self.open), self._what)  # fmt: skip
             self.open.remove(waiting)
-            waiting.evict()
+            waiting.close()
         self.open.append(connection)
         return True
 

@@ -4,14 +4,14 @@ grpclib speaks gRPC (HTTP/2, headers, grpc-timeout, trailers; UNIMPLEMENTED for 
 paths); this module gives it what a daemon that any neighbour can reach needs beyond that.
 trio accepts the connections (`trio.serve_listeners`, which waits out running out of
 descriptors) and serves each as a task of the socket's nursery: cancelling that nursery
-closes every connection, cancels every call and waits for them (`TEARDOWN_GRACE` at most),
+closes every connection, cancels every call and waits for them (`teardown_grace` at most),
 so nothing of a generation outlives it. A call runs as an asyncio task that grpclib starts;
 `CONNECTION` tells it which connection it came on.
 
-The limits below are the README's ("Limits" says what each is and guards against;
-connection_cap.py, which connection makes room). A client's mistake is answered with a status
-that names it; a method's unexpected error is logged with its traceback, counted, and answered
-INTERNAL.
+The limits are a `Limits` the server is given (limits.py; the README's "Limits" says what
+each guards against; connection_cap.py, which connection makes room). A client's mistake is
+answered with a status that names it; a method's unexpected error is logged with its
+traceback, counted, and answered INTERNAL.
 """
 
 from __future__ import annotations
@@ -41,27 +41,17 @@ from pcc_plugin.bridge import call_asyncio
 from pcc_plugin.connection_cap import ConnectionCap
 from pcc_plugin.fs import Identity, identity
 from pcc_plugin.klog import V1
+from pcc_plugin.limits import DEFAULT, Limits
 
 log = logging.getLogger(__name__)
 
 Status = grpclib.const.Status
 GRPCError = grpclib.exceptions.GRPCError
 
-MAX_CONNECTIONS = 32
-MAX_STREAMS_PER_CONNECTION = 32
-FIRST_REQUEST_TIMEOUT = 5.0
-IDLE_TIMEOUT = 60.0
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-WINDOW = 65_535
-LARGE_MESSAGE_BUDGET = 8 * 1024 * 1024
-RECEIVE_TIMEOUT = 10.0
-UNARY_TIMEOUT = 30.0
-BACKLOG = 64
 # What every HTTP/2 client sends first (RFC 9113, 3.4).
 PREFACE_BYTES = len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
 # A socket bound but not yet renamed into place: `.<8 hex>.new.sock`.
 STAGED_SUFFIX = ".new.sock"
-TEARDOWN_GRACE = 1.0
 
 # Set while grpclib reads a connection's bytes, so the calls it starts know their connection.
 CONNECTION: contextvars.ContextVar[Connection] = contextvars.ContextVar("connection")
@@ -77,12 +67,13 @@ class Call:
     path: str
 
     async def receive(self) -> bytes:
-        """The request message (empty bytes for an absent one), read within the limits above."""
-        async with _deadline(RECEIVE_TIMEOUT, "the request did not arrive"):
+        """The request message (empty bytes for an absent one), read within the limits."""
+        limits = self.server.limits
+        async with _deadline(limits.receive_timeout, "the request did not arrive"):
             prefix = await _grpclib.receive_exactly(self._stream, 5)
             if not prefix:
                 return b""
-            size = _message_size(prefix)
+            size = _message_size(prefix, limits.message_bytes)
             with self.server.reserve(size):
                 return await _grpclib.receive_exactly(self._stream, size)
 
@@ -90,7 +81,7 @@ class Call:
         await self._stream.send_message(payload)
 
 
-def _message_size(prefix: bytes) -> int:
+def _message_size(prefix: bytes, most: int) -> int:
     """The size a gRPC message prefix announces, if within the limits; else GRPCError."""
     if prefix[0] not in (0, 1):
         raise GRPCError(Status.INVALID_ARGUMENT, "malformed message prefix")
@@ -100,16 +91,16 @@ def _message_size(prefix: bytes) -> int:
             "compressed messages are not accepted: this server offers no compression",
         )
     size = int.from_bytes(prefix[1:5], "big")
-    if size > MAX_MESSAGE_BYTES:
+    if size > most:
         raise GRPCError(
             Status.RESOURCE_EXHAUSTED,
-            f"a message of {size} bytes is larger than the {MAX_MESSAGE_BYTES} accepted",
+            f"a message of {size} bytes is larger than the {most} accepted",
         )
     return size
 
 
 # A unary method answers the request message with the response message, or raises GRPCError;
-# one that must wait (on the API server) answers with an awaitable, within UNARY_TIMEOUT.
+# one that must wait (on the API server) answers with an awaitable, within the unary timeout.
 Answer = Callable[[bytes, Call], bytes | Awaitable[bytes]]
 # A server-streaming method reads its request and sends its answers through the Call.
 Stream = Callable[[Call], Awaitable[None]]
@@ -212,8 +203,6 @@ class Connection:
             task.cancel()
         self.lost()
 
-    evict = close
-
     async def wait_finished(self) -> None:
         if self._calls:
             await call_asyncio(asyncio.wait, list(self._calls))
@@ -296,12 +285,12 @@ OnError = Callable[[str, BaseException], None]
 
 
 class Server:
-    """Serves `methods` (path -> MethodSpec) on a listening unix socket.
+    """Serves `methods` (path -> MethodSpec) on a listening unix socket, within `limits`.
 
-    `idle_client`: the client connects and then may call nothing for long (kubelet dials a
-    DRA socket when the driver registers, calls only when a pod needs a claim, and takes the
-    connection's close for the driver going away); its connection is kept open from the
-    HTTP/2 preface on.
+    With `limits.idle_client` the client connects and then may call nothing for long (kubelet
+    dials a DRA socket when the driver registers, calls only when a pod needs a claim, and
+    takes the connection's close for the driver going away); its connection is kept open from
+    the HTTP/2 preface on.
     """
 
     def __init__(
@@ -310,31 +299,57 @@ class Server:
         on_error: OnError,
         on_close: Callable[[Connection], None] = lambda _: None,
         *,
-        idle_client: bool = False,
+        limits: Limits = DEFAULT,
     ) -> None:
         self.methods = methods
         self.on_error = on_error
         self.on_close = on_close
-        self.idle_client = idle_client
+        self.limits = limits
         # Bytes of large messages being read at once, across every connection.
         self.large_in_use = 0
-        self.cap: ConnectionCap[Connection] = ConnectionCap(MAX_CONNECTIONS, "connections", log)
+        self.cap: ConnectionCap[Connection] = ConnectionCap(limits.connections, "connections", log)
         self._grpc: grpclib.server.Server | None = None
 
     @contextlib.contextmanager
     def reserve(self, size: int) -> Iterator[None]:
         """Room to read a message of `size` bytes, if a large one fits in the budget."""
-        size = size if size > WINDOW else 0
-        if self.large_in_use + size > LARGE_MESSAGE_BUDGET:
+        window = self.limits.window
+        size = size if size > window else 0
+        if self.large_in_use + size > self.limits.large_message_budget:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
-                f"busy reading other large messages; retry, or send less than {WINDOW} bytes",
+                f"busy reading other large messages; retry, or send less than {window} bytes",
             )
         self.large_in_use += size
         try:
             yield
         finally:
             self.large_in_use -= size
+
+    async def serve(
+        self, path: Path, *, task_status: trio.TaskStatus[Identity] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve at `path` (OSError as `bind` raises it) until cancelled; then close every
+        connection and the socket, and remove its file if still ours. Hands back the identity
+        of the file once listening."""
+        sock, own = bind(path, self.limits.backlog)
+        listener = Listener(sock, path, own)
+        try:
+            self._grpc = _grpclib.server(
+                {
+                    name: (functools.partial(self._serve_call, name, spec), spec.stream is not None)
+                    for name, spec in self.methods.items()
+                },
+                _unknown_method,
+                self.limits.window,
+            )
+            handler = functools.partial(self.serve_connection, listener)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, handler, [listener])
+                task_status.started(own)
+        finally:
+            with trio.CancelScope(shield=True):
+                await listener.aclose()
 
     async def serve_connection(self, listener: Listener, stream: trio.SocketStream) -> None:
         """Serve one connection until it ends or must be closed; never raises."""
@@ -359,7 +374,7 @@ class Server:
         finally:
             self.cap.leave(connection)
             self.on_close(connection)
-            with trio.CancelScope(shield=True), trio.move_on_after(TEARDOWN_GRACE):
+            with trio.CancelScope(shield=True), trio.move_on_after(self.limits.teardown_grace):
                 if connection.transport is None:
                     sock.close()
                 connection.close()
@@ -378,21 +393,23 @@ class Server:
     async def _watch(self, connection: Connection) -> None:
         """Until the connection closes, or must be closed for silence or idleness."""
 
+        limits = self.limits
+
         def started() -> bool:
             # A wrong preface, grpclib closes the connection on.
             greeted = connection.received >= PREFACE_BYTES
-            return greeted if self.idle_client else connection.sent_request
+            return greeted if limits.idle_client else connection.sent_request
 
-        with trio.move_on_after(FIRST_REQUEST_TIMEOUT):
+        with trio.move_on_after(limits.first_request_timeout):
             while not started() and not connection.closed:
                 await connection.changed()
         if not started():
             if not connection.closed:
                 log.log(V1, "Closing %s: no %s within %g s", connection,
-                        "HTTP/2 preface" if self.idle_client else "request",
-                        FIRST_REQUEST_TIMEOUT)  # fmt: skip
+                        "HTTP/2 preface" if limits.idle_client else "request",
+                        limits.first_request_timeout)  # fmt: skip
             return
-        if self.idle_client:
+        if limits.idle_client:
             while not connection.closed:
                 await connection.changed()
             return
@@ -400,9 +417,9 @@ class Server:
             if connection.open_calls:
                 await connection.calls_ended()
                 continue
-            idle_until = connection.last_active + IDLE_TIMEOUT
+            idle_until = connection.last_active + limits.idle_timeout
             if trio.current_time() >= idle_until:
-                log.log(V1, "Closing %s: idle for %g s", connection, IDLE_TIMEOUT)
+                log.log(V1, "Closing %s: idle for %g s", connection, limits.idle_timeout)
                 return
             with trio.move_on_at(idle_until):
                 await connection.changed()
@@ -416,10 +433,10 @@ class Server:
         assert task is not None
         connection.call_began(task)
         try:
-            if connection.open_calls > MAX_STREAMS_PER_CONNECTION:
+            most = self.limits.calls_per_connection
+            if connection.open_calls > most:
                 raise GRPCError(
-                    Status.RESOURCE_EXHAUSTED,
-                    f"more than {MAX_STREAMS_PER_CONNECTION} calls at once on one connection",
+                    Status.RESOURCE_EXHAUSTED, f"more than {most} calls at once on one connection"
                 )
             call = Call(self, connection, stream, path)
             try:
@@ -427,7 +444,7 @@ class Server:
                     await spec.stream(call)
                 else:
                     assert spec.answer is not None
-                    async with _deadline(UNARY_TIMEOUT, "the call was not answered"):
+                    async with _deadline(self.limits.unary_timeout, "the call was not answered"):
                         answer = spec.answer(await call.receive(), call)
                         if inspect.isawaitable(answer):
                             answer = await answer
@@ -451,7 +468,7 @@ async def _unknown_method(path: str, stream: _grpclib.ServerStream) -> None:
 # The socket
 
 
-def bind(path: Path) -> tuple[socket.socket, Identity]:
+def bind(path: Path, backlog: int = DEFAULT.backlog) -> tuple[socket.socket, Identity]:
     """A listening unix socket at `path`, and the identity of its file.
 
     Bound under a temporary name and renamed into place once listening, so
@@ -465,7 +482,7 @@ def bind(path: Path) -> tuple[socket.socket, Identity]:
         listener.setblocking(False)
         listener.bind(os.fspath(staged))
         try:
-            listener.listen(BACKLOG)
+            listener.listen(backlog)
             os.rename(staged, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -478,29 +495,3 @@ def bind(path: Path) -> tuple[socket.socket, Identity]:
         listener.close()
         raise
     return listener, own
-
-
-async def serve(
-    server: Server, path: Path, *, task_status: trio.TaskStatus[Identity] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Serve at `path` (OSError as `bind` raises it) until cancelled; then close every
-    connection and the socket, and remove its file if still ours. Hands back the identity of
-    the file once listening."""
-    sock, own = bind(path)
-    listener = Listener(sock, path, own)
-    try:
-        server._grpc = _grpclib.server(
-            {
-                name: (functools.partial(server._serve_call, name, spec), spec.stream is not None)
-                for name, spec in server.methods.items()
-            },
-            _unknown_method,
-            WINDOW,
-        )
-        handler = functools.partial(server.serve_connection, listener)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, handler, [listener])
-            task_status.started(own)
-    finally:
-        with trio.CancelScope(shield=True):
-            await listener.aclose()

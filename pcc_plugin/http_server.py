@@ -3,9 +3,9 @@
 The port listens on every address of the pod, so any pod of the cluster can
 reach it: no client may end the daemon, hold it, or crowd out kubelet's probes.
 
-- Each connection is one request and one answer, within `REQUEST_TIMEOUT` in
-  all; a request head over `MAX_REQUEST_HEAD` bytes gets 431.
-- At most `MAX_CONNECTIONS` at once; at the limit the oldest connection that has
+- Each connection is one request and one answer, within `Limits.http_timeout` in
+  all; a request head over `Limits.http_request_head` bytes gets 431.
+- At most `Limits.http_connections` at once; at the limit the oldest connection that has
   not sent a whole request head is closed to make room (pcc_plugin/connection_cap.py),
   so a flood of half requests cannot keep a probe out.
 - A connection's end, however abrupt (a reset, a half request), ends only that
@@ -25,13 +25,11 @@ from pcc_plugin import metrics
 from pcc_plugin.connection_cap import ConnectionCap
 from pcc_plugin.errors import FatalError
 from pcc_plugin.klog import V1
+from pcc_plugin.limits import DEFAULT, Limits
 from pcc_plugin.state import DaemonState
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_HEAD = 8192
-REQUEST_TIMEOUT = 5.0
-MAX_CONNECTIONS = 16
 _TEXT = "text/plain; charset=utf-8"
 _ENDED = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError)
 
@@ -55,24 +53,27 @@ def answer(path: str, daemon: DaemonState) -> tuple[int, str, bytes]:
 class _Exchange:
     """One connection's request and answer, evicted by cancelling its scope."""
 
-    def __init__(self) -> None:
-        self.scope = trio.CancelScope(deadline=trio.current_time() + REQUEST_TIMEOUT)
+    def __init__(self, seconds: float) -> None:
+        self.scope = trio.CancelScope(deadline=trio.current_time() + seconds)
         self.sent_request = False
         self.evicted = False
 
-    def evict(self) -> None:
+    def close(self) -> None:
         self.evicted = True
         self.scope.cancel()
 
 
 class HttpServer:
-    def __init__(self, daemon: DaemonState) -> None:
+    def __init__(self, daemon: DaemonState, limits: Limits) -> None:
         self._daemon = daemon
-        self.cap: ConnectionCap[_Exchange] = ConnectionCap(MAX_CONNECTIONS, "HTTP connections", log)
+        self.limits = limits
+        self.cap: ConnectionCap[_Exchange] = ConnectionCap(
+            limits.http_connections, "HTTP connections", log
+        )
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """One connection. Never raises: its error must not end the server."""
-        exchange = _Exchange()
+        exchange = _Exchange(self.limits.http_timeout)
         if not self.cap.admit(exchange):
             return
         try:
@@ -81,7 +82,8 @@ class HttpServer:
             if exchange.evicted:
                 log.log(V1, "HTTP connection closed to make room: it sent no request head")
             elif exchange.scope.cancelled_caught:
-                log.log(V1, "HTTP connection closed: not done within %g s", REQUEST_TIMEOUT)
+                log.log(V1, "HTTP connection closed: not done within %g s",
+                        self.limits.http_timeout)  # fmt: skip
         except (*_ENDED, h11.ProtocolError) as exc:
             log.log(V1, "HTTP connection ended early: %s", exc or type(exc).__name__)
         except Exception:
@@ -90,7 +92,8 @@ class HttpServer:
             self.cap.leave(exchange)
 
     async def _exchange(self, stream: trio.SocketStream, exchange: _Exchange) -> None:
-        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
+        head = self.limits.http_request_head
+        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=head)
         received = 0
         while True:
             try:
@@ -103,13 +106,13 @@ class HttpServer:
             if isinstance(event, h11.ConnectionClosed):
                 return
             exchange.sent_request |= isinstance(event, h11.Request)
-            if received > MAX_REQUEST_HEAD:
-                body = f"request head over {MAX_REQUEST_HEAD} bytes\n".encode()
+            if received > head:
+                body = f"request head over {head} bytes\n".encode()
                 await self._send(stream, connection, 431, _TEXT, body)
                 return
             if isinstance(event, h11.Request):
                 break
-            data = await stream.receive_some(MAX_REQUEST_HEAD)
+            data = await stream.receive_some(head)
             received += len(data)
             connection.receive_data(data)
         method = event.method.decode("ascii", "replace")
@@ -145,6 +148,7 @@ class HttpServer:
 async def serve_http(
     bind_address: str,
     daemon: DaemonState,
+    limits: Limits = DEFAULT,
     *,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -168,7 +172,7 @@ async def serve_http(
             "one (no metrics or probes)"
         ) from None
     bound = [listener.socket.getsockname()[:2] for listener in listeners]
-    server = HttpServer(daemon)
+    server = HttpServer(daemon, limits)
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, server.handle, listeners)
         task_status.started(bound)

@@ -53,7 +53,7 @@ class DevicePluginMode:
         remove_stale_sockets(
             own_sockets(plugin_dir, spec.socket_prefix, endpoint), self._names.stem
         )
-        own = await nursery.start(grpc_server.serve, server, plugin_dir / endpoint)
+        own = await nursery.start(server.serve, plugin_dir / endpoint)
         followers = Followers(
             nursery, plugin_dir, spec.socket_prefix, self._names.stem, link, generation.restart
         )

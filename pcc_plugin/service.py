@@ -4,8 +4,9 @@
 ListAndWatch stream gets, Allocate and PreStartContainer, and with --cdi its CDI spec, kept as
 the devices are; `methods` serves them on one generation's socket. Requests are
 read by `wire` within limits that follow the resource: an Allocate names at most as many
-device IDs as the resource advertises, in at most `MAX_CONTAINER_REQUESTS` container requests
-(kubelet sends one). Client mistakes are INVALID_ARGUMENT, a gone device FAILED_PRECONDITION.
+device IDs as the resource advertises, in at most its server's `Limits.container_requests`
+container requests (kubelet sends one). Client mistakes are INVALID_ARGUMENT, a gone device
+FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pcc_plugin.flags import DEFAULT_INSTANCE_NAME
 from pcc_plugin.grpc_server import Call, GRPCError, MethodSpec, Status
 from pcc_plugin.inventory import Inventory
 from pcc_plugin.klog import V1
+from pcc_plugin.limits import Limits
 from pcc_plugin.registration import KubeletLink
 from pcc_plugin.resource import Device, Grant, ResourceSpec, grant
 from pcc_plugin.state import ResourceState
@@ -31,8 +33,6 @@ from pcc_plugin.state import ResourceState
 log = logging.getLogger(__name__)
 
 SERVICE = "/v1beta1.DevicePlugin/"
-# Kubelet sends one container request per Allocate; a pod is far from this many.
-MAX_CONTAINER_REQUESTS = 128
 
 
 class DeviceFeed:
@@ -139,13 +139,15 @@ class DevicePlugin:
         )
 
     def allocate(self, data: bytes, call: Call) -> bytes:
+        limits = call.server.limits
         try:
             containers = wire.read_allocate_request(
-                data, MAX_CONTAINER_REQUESTS, len(self.inventory.devices), self.inventory.longest_id
-            )
+                data, limits.container_requests, len(self.inventory.devices),
+                self.inventory.longest_id,
+            )  # fmt: skip
             return encode_allocate_response(tuple(self.grants(containers)))
         except (wire.WireError, wire.TooMany, wire.TooLong) as exc:
-            refused = self._unreadable("AllocateRequest", exc)
+            refused = self._unreadable("AllocateRequest", exc, limits)
         except GRPCError as exc:
             refused = exc
         # --v=1 logs each Allocate: a refused one with the reason kubelet is given.
@@ -195,7 +197,7 @@ class DevicePlugin:
                 data, len(self.inventory.devices), self.inventory.longest_id
             )
         except (wire.WireError, wire.TooMany, wire.TooLong) as exc:
-            raise self._unreadable("PreStartContainerRequest", exc) from None
+            raise self._unreadable("PreStartContainerRequest", exc, call.server.limits) from None
         devices = self._devices_named("PreStartContainerRequest", device_ids)
         if self.options.pre_start_required:
             # One fresh look at the node; each device's problem includes the shared ones.
@@ -228,12 +230,12 @@ class DevicePlugin:
         return [device for device_id in ids if (device := self.inventory.get(device_id))]
 
     def _unreadable(
-        self, name: str, exc: wire.WireError | wire.TooMany | wire.TooLong
+        self, name: str, exc: wire.WireError | wire.TooMany | wire.TooLong, limits: Limits
     ) -> GRPCError:
         """A request that is malformed, or too large for this resource: INVALID_ARGUMENT."""
         resource, count = self.spec.name, len(self.inventory.devices)
         if isinstance(exc, wire.TooManyContainers):
-            why = f"{name} has more than {MAX_CONTAINER_REQUESTS} container requests"
+            why = f"{name} has more than {limits.container_requests} container requests"
         elif isinstance(exc, wire.TooMany):
             why = f"{name} names more device IDs than the {count} {resource} advertises"
         elif isinstance(exc, wire.TooLong):

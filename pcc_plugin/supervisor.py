@@ -26,7 +26,7 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
                             ├── forget_faults_when_stable
                             ├── Preparer.restore_specs   [dra] the checkpointed claims' lost
                             │                   CDI specs, written back under the claims' lock
-                            ├── grpc_server.serve   [dp] the socket, a fresh name each time;
+                            ├── Server.serve        [dp] the socket, a fresh name each time;
                             │   │                   [dra] the DRA socket, then the
                             │   │                   registration socket kubelet dials
                             │   └── trio.serve_listeners → Server.serve_connection, one per
@@ -41,7 +41,7 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
 
 A connection's calls run as asyncio tasks that grpclib's protocol starts; the
 connection's trio task owns them: on its way out it closes the connection,
-which cancels them, and waits for them (grpc_server.TEARDOWN_GRACE at most).
+which cancels them, and waits for them (`Limits.teardown_grace` at most).
 So when a generation's nursery is cancelled, nothing of it outlives it:
 tests/test_grpc_server.py checks that no call's task is left.
 """

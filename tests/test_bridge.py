@@ -279,7 +279,7 @@ async def test_a_dra_call_crosses_once_each_way_and_a_health_report_once(
     try:
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
-                await nursery.start(grpc_server.serve, server, path)
+                await nursery.start(server.serve, path)
                 reports = watch(dra_health_v1_pb2.NodeWatchResourcesRequest())
                 assert await run_blocking(prepared, "pcc-0") == ""  # the connection is up
                 assert len((await run_blocking(next, reports)).devices) == 1

@@ -32,13 +32,14 @@ from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, register
 from metrics_support import get, metrics_port, scrape, value
 from raw_clients import closed_by_server, connect
 
-from pcc_plugin import configuration, flags, grpc_server
+from pcc_plugin import configuration, flags
 from pcc_plugin.dra import claims, kube, slices, taints
 from pcc_plugin.dra import service as dra_service
 from pcc_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import PROG, Flags
 from pcc_plugin.inventory import Inventory
+from pcc_plugin.limits import DEFAULT
 from pcc_plugin.plugin_dir import remove_stale_sockets
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import FakeNode, StartDaemon, run_blocking
@@ -318,7 +319,7 @@ async def test_kubelets_connection_to_the_dra_socket_stays_open_between_calls(
     """Kubelet connects to the DRA socket when the driver registers, calls only when a pod
     needs a claim, and takes a closed connection for the driver gone. On a cluster the daemon
     closed it after 5 s without a call, and kubelet connected again, every 5 s. A connection
-    that sends nothing is still closed (grpc_server.FIRST_REQUEST_TIMEOUT)."""
+    that sends nothing is still closed (`Limits.first_request_timeout`)."""
     dra = dra_node
     with trio.fail_after(30):
         daemon = start_daemon(*dra.daemon_args())
@@ -362,7 +363,7 @@ async def test_a_removed_registration_socket_is_served_again(
 
 def test_claims_are_read_within_the_answer_deadline_within_kubelets() -> None:
     """Kubelet hears each claim's own error rather than the whole call's deadline."""
-    assert claims.READ_CLAIMS_TIMEOUT < grpc_server.UNARY_TIMEOUT < sim_rules.CALL_TIMEOUT
+    assert DEFAULT.read_claims_timeout < DEFAULT.unary_timeout < sim_rules.CALL_TIMEOUT
 
 
 async def test_api_server_unreachable_for_a_while_then_back(
@@ -837,7 +838,7 @@ def test_any_bytes_are_claims_or_invalid_argument(data: bytes) -> None:
     status = grpclib.const.Status.OK
     read: list[claims.ClaimRef] = []
     try:
-        read = dra_service.read_claims(data, "NodePrepareResourcesRequest")
+        read = dra_service.read_claims(data, "NodePrepareResourcesRequest", DEFAULT)
     except grpclib.exceptions.GRPCError as refused:
         status = refused.status
     assert status in (grpclib.const.Status.OK, grpclib.const.Status.INVALID_ARGUMENT)

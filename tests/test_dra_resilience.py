@@ -30,12 +30,13 @@ import trio.testing
 from dra_support import DRIVER, NODE, SHARES, WAIT, DraNode, published, registered
 from metrics_support import get, metrics_port
 
-from pcc_plugin import grpc_server, wire
+from pcc_plugin import wire
 from pcc_plugin._proto.k8s.io.kubelet.pkg.apis.dra import v1
 from pcc_plugin.dra import claims, kube, slices, taints
 from pcc_plugin.dra import service as dra_service
 from pcc_plugin.dra.checkpoint import Checkpoint, LockBusy, PreparedClaim
 from pcc_plugin.inventory import Inventory
+from pcc_plugin.limits import DEFAULT
 from pcc_plugin.resource import Device, pcc_resource
 from pcc_plugin.sim import StartDaemon, run_blocking
 from pcc_plugin.state import ResourceState
@@ -448,13 +449,13 @@ async def test_a_call_that_cannot_have_the_lock_in_time_is_told_so(
     )  # fmt: skip
     claim = claims.ClaimRef("default", "app", "uid-1")
     try:
-        with trio.fail_after(grpc_server.UNARY_TIMEOUT):
+        with trio.fail_after(DEFAULT.unary_timeout):
             started = trio.current_time()
             answers = await preparer.unprepare([claim])
     finally:
         timer.cancel()
         release()
-    assert trio.current_time() - started <= claims.ANSWER_WITHIN < grpc_server.UNARY_TIMEOUT
+    assert trio.current_time() - started <= DEFAULT.answer_within < DEFAULT.unary_timeout
     answer = answers["uid-1"]
     assert isinstance(answer, str)
     assert answer.startswith(f"another call held {state / 'serialize.lock'} for ")
@@ -715,14 +716,14 @@ def test_a_request_past_a_limit_is_refused_where_it_passes_it(data: bytes, says:
     reached, as the device plugin's requests are (pcc_plugin/wire.py): what lies beyond is
     never decoded, so a request of 4 MiB costs what its first 128 claims cost."""
     with pytest.raises(grpclib.exceptions.GRPCError) as refused:
-        dra_service.read_claims(data, REQUEST)
+        dra_service.read_claims(data, REQUEST, DEFAULT)
     assert refused.value.status is grpclib.const.Status.INVALID_ARGUMENT
     assert refused.value.message == says
 
 
 def test_claims_within_the_limits_are_read_in_order() -> None:
     data = b"".join(claim_field(b"ns", b"u%d" % i, b"c%d" % i) for i in range(128))
-    read = dra_service.read_claims(data + b"\x10\x01", REQUEST)
+    read = dra_service.read_claims(data + b"\x10\x01", REQUEST, DEFAULT)
     assert read == [claims.ClaimRef("ns", f"c{i}", f"u{i}") for i in range(128)]
 
 
@@ -737,5 +738,5 @@ def test_claims_are_read_as_protobuf_writes_them(sent: list[tuple[str, str, str]
     request = v1.NodePrepareResourcesRequest(
         claims=[v1.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in sent]
     )
-    read = wire.read_claims_request(bytes(request), 128, dra_service.MAX_CLAIM_BYTES)
+    read = wire.read_claims_request(bytes(request), 128, DEFAULT.claim_bytes)
     assert [(c["namespace"], c["uid"], c["name"]) for c in read] == sent

@@ -173,7 +173,7 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
         assert f"counters {RESOURCE}: registrations=" in text
         # Kubelet's connection is served by one of trio.serve_listeners' handler tasks.
         for task in ("handle_signals", "serve_generations", "watch_health", "watch_plugin_dir",
-                     "grpc_server.serve", "serve_listeners._run_handler",
+                     "Server.serve", "serve_listeners._run_handler",
                      "forget_faults_when_stable", "reregister_when_stream_ends"):  # fmt: skip
             assert task in text
         assert (fake_node.plugin_dir / endpoint).is_socket()

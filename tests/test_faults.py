@@ -36,7 +36,7 @@ from daemon_support import (
 )
 from metrics_support import metrics_port, scrape, value
 
-from pcc_plugin.service import MAX_CONTAINER_REQUESTS
+from pcc_plugin.limits import DEFAULT
 from pcc_plugin.sim import (
     Daemon,
     FakeNode,
@@ -48,7 +48,7 @@ from pcc_plugin.sim import (
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.sim.rules import ALLOCATE, LIST_AND_WATCH
 
-SHARES = MAX_CONTAINER_REQUESTS
+SHARES = DEFAULT.container_requests
 HEALTHY_SHARES = {f"pcc-{index}": "Healthy" for index in range(SHARES)}
 # How a call in flight may end when its peer goes away: answered first, or cut off.
 CUT_OFF_OR_ANSWERED = (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
@@ -181,7 +181,7 @@ async def test_kubelet_dies_mid_allocate(
     kubelet: SimKubelet, fake_node: FakeNode, start_daemon: StartDaemon
 ) -> None:
     # As many container requests as a call may have, to catch the daemon mid-call.
-    many = [["pcc-0"]] * MAX_CONTAINER_REQUESTS
+    many = [["pcc-0"]] * DEFAULT.container_requests
     with trio.fail_after(30):
         daemon = start_daemon(*fake_node.daemon_args(verbosity=1), f"--resource-count={SHARES}")
         await serving(kubelet, devices=HEALTHY_SHARES)
@@ -434,7 +434,7 @@ async def test_sigterm_during_allocate(
         outcomes: list[grpc.StatusCode] = []
 
         async def allocate_many() -> None:
-            many = [["pcc-0"]] * MAX_CONTAINER_REQUESTS
+            many = [["pcc-0"]] * DEFAULT.container_requests
             outcomes.append(await allocate_outcome(kubelet, many))
 
         async with trio.open_nursery() as nursery:

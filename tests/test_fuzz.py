@@ -23,8 +23,7 @@ import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pcc_plugin.grpc_server import MAX_MESSAGE_BYTES
-from pcc_plugin.service import MAX_CONTAINER_REQUESTS
+from pcc_plugin.limits import DEFAULT
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 from pcc_plugin.sim.rules import (
@@ -155,7 +154,8 @@ async def unary(target: Target, method: str, payload: bytes) -> tuple[grpc.Statu
     with trio.fail_after(CALL_TIMEOUT + 10):
         code, answer = await run_blocking(call_unary, target, method, payload)
     assert target.daemon.proc.poll() is None
-    too_large = {grpc.StatusCode.RESOURCE_EXHAUSTED} if len(payload) > MAX_MESSAGE_BYTES else set()
+    exhausted = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    too_large = exhausted if len(payload) > DEFAULT.message_bytes else set()
     assert code in WELL_FORMED | too_large, (method, payload[:200], code, answer)
     return code, answer
 
@@ -334,10 +334,10 @@ async def test_allocate_requests(target: Target, requests: list[Container], extr
         and kinds == {KNOWN}
         # As many IDs as the resource advertises at most, in at most 128 container requests.
         and sum(len(container.ids) for container in requests) <= len(KNOWN_IDS)
-        and len(requests) <= MAX_CONTAINER_REQUESTS
+        and len(requests) <= DEFAULT.container_requests
     )
     duplicates = any(container.has_duplicates for container in requests)
-    if len(payload) > MAX_MESSAGE_BYTES:
+    if len(payload) > DEFAULT.message_bytes:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, answer)
     elif not valid:
         assert code == INVALID, (code, answer)
@@ -371,7 +371,7 @@ async def test_preferred_allocation_requests(
         b"".join(length_delimited(1, container.encode() + body) for container in requests) + extra
     )
     code, answer = await unary(target, GET_PREFERRED_ALLOCATION, payload)
-    if len(payload) > MAX_MESSAGE_BYTES:  # the deep profile's largest examples
+    if len(payload) > DEFAULT.message_bytes:  # the deep profile's largest examples
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, answer)
         return
     assert code == UNIMPLEMENTED, (code, answer)
@@ -394,17 +394,17 @@ async def test_a_4_mib_request_of_unknown_fields_is_read_and_answered(target: Ta
     """gRPC's limit, kubelet's too: 4 MiB is read and answered, a byte more is refused."""
     head = length_delimited(1, length_delimited(1, b"pcc-7"))
     # Field 7's tag takes 1 byte and its length (about 4 MiB) a 4-byte varint.
-    padding = length_delimited(7, b"\0" * (MAX_MESSAGE_BYTES - len(head) - 5))
+    padding = length_delimited(7, b"\0" * (DEFAULT.message_bytes - len(head) - 5))
     request = head + padding
-    assert len(request) == MAX_MESSAGE_BYTES
+    assert len(request) == DEFAULT.message_bytes
     code, answer = await unary(target, ALLOCATE, request)
     assert code == OK, answer
     assert len(answer.container_responses) == 1
     code, answer = await unary(target, ALLOCATE, request + b"\0")
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert answer == (
-        f"a message of {MAX_MESSAGE_BYTES + 1} bytes is larger than the "
-        f"{MAX_MESSAGE_BYTES} accepted"
+        f"a message of {DEFAULT.message_bytes + 1} bytes is larger than the "
+        f"{DEFAULT.message_bytes} accepted"
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import attrs
 import grpc
 import h2.config
 import h2.connection
@@ -30,6 +31,7 @@ from raw_clients import call, closed_by_server, connect, grpc_frame, request_hea
 
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin.flags import Flags
+from pcc_plugin.limits import DEFAULT, DRA_SOCKET, Limits
 from pcc_plugin.registration import KubeletLink
 from pcc_plugin.service import DevicePlugin
 from pcc_plugin.sim import run_blocking
@@ -54,7 +56,7 @@ async def serving(
     socket_path: Path,
     host_root: str | None = None,
     stats: ResourceState | None = None,
-    idle_client: bool = False,
+    limits: Limits = DEFAULT,
 ) -> AsyncIterator[grpc_server.Server]:
     """The PCC resource's service on `socket_path`, until the block ends (then torn down); by
     default for a host beside the socket that has the device and the PCC directory."""
@@ -66,9 +68,9 @@ async def serving(
         host_root = str(host)
     plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceState("x"))
     methods = plugin.methods(KubeletLink(plugin.state))
-    server = grpc_server.Server(methods, plugin.state.handler_failed, idle_client=idle_client)
+    server = grpc_server.Server(methods, plugin.state.handler_failed, limits=limits)
     async with trio.open_nursery() as nursery:
-        await nursery.start(grpc_server.serve, server, socket_path)
+        await nursery.start(server.serve, socket_path)
         yield server
         nursery.cancel_scope.cancel()
 
@@ -134,23 +136,19 @@ async def test_teardown_leaves_a_socket_someone_else_replaced(socket_path: Path)
 
 
 async def test_a_silent_connection_is_closed_after_the_first_request_timeout(
-    socket_path: Path, monkeypatch: pytest.MonkeyPatch
+    socket_path: Path,
 ) -> None:
-    monkeypatch.setattr(grpc_server, "FIRST_REQUEST_TIMEOUT", 0.2)
     with trio.fail_after(10):
-        async with serving(socket_path) as server:
+        async with serving(socket_path, limits=Limits(first_request_timeout=0.2)) as server:
             with connect(socket_path) as silent:
                 silent.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # a preface, then nothing
                 assert await run_blocking(closed_by_server, silent)
             assert server.cap.open == []
 
 
-async def test_a_connection_without_streams_is_closed_when_idle(
-    socket_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(grpc_server, "IDLE_TIMEOUT", 0.2)
+async def test_a_connection_without_streams_is_closed_when_idle(socket_path: Path) -> None:
     with trio.fail_after(10):
-        async with serving(socket_path) as server:
+        async with serving(socket_path, limits=Limits(idle_timeout=0.2)) as server:
             channel = grpc.insecure_channel(f"unix://{socket_path}")
             options = channel.unary_unary("/v1beta1.DevicePlugin/GetDevicePluginOptions")
             await run_blocking(options, b"", timeout=5)
@@ -169,16 +167,15 @@ async def test_a_connection_without_streams_is_closed_when_idle(
 
 
 async def test_an_idle_client_keeps_its_connection_from_the_preface_on(
-    socket_path: Path, monkeypatch: pytest.MonkeyPatch
+    socket_path: Path,
 ) -> None:
     """Kubelet dials a DRA socket when the driver registers and calls only when a pod needs a
     claim; a close is to kubelet the driver going away. On a real cluster the DRA socket
     closed kubelet's connection after 5 s without a call, and kubelet dialled again, every
     5 s. A connection that never sends the HTTP/2 preface is still closed."""
-    monkeypatch.setattr(grpc_server, "FIRST_REQUEST_TIMEOUT", 0.2)
-    monkeypatch.setattr(grpc_server, "IDLE_TIMEOUT", 0.2)
+    limits = attrs.evolve(DRA_SOCKET, first_request_timeout=0.2, idle_timeout=0.2)
     with trio.fail_after(10):
-        async with serving(socket_path, idle_client=True) as server:
+        async with serving(socket_path, limits=limits) as server:
             states: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
             kubelet = grpc.insecure_channel(f"unix://{socket_path}")
             kubelet.subscribe(states.put, try_to_connect=True)
@@ -197,11 +194,10 @@ async def test_an_idle_client_keeps_its_connection_from_the_preface_on(
 
 
 async def test_at_the_connection_limit_the_oldest_silent_one_makes_room(
-    socket_path: Path, monkeypatch: pytest.MonkeyPatch
+    socket_path: Path,
 ) -> None:
-    monkeypatch.setattr(grpc_server, "MAX_CONNECTIONS", 3)
     with trio.fail_after(10):
-        async with serving(socket_path):
+        async with serving(socket_path, limits=Limits(connections=3)):
             # Accepted in the order they connect, before the client below.
             silent = [connect(socket_path) for _ in range(3)]
             # A real client still gets through: the oldest silent connection is closed.
@@ -425,12 +421,9 @@ async def test_an_unknown_method_is_unimplemented_at_once_naming_its_path(
     assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
 
 
-async def test_calls_past_the_limit_of_one_connection_are_refused(
-    socket_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(grpc_server, "MAX_STREAMS_PER_CONNECTION", 2)
+async def test_calls_past_the_limit_of_one_connection_are_refused(socket_path: Path) -> None:
     with trio.fail_after(10):
-        async with serving(socket_path):
+        async with serving(socket_path, limits=Limits(calls_per_connection=2)):
             # grpcio's streams on one channel share its one connection.
             channel = grpc.insecure_channel(f"unix://{socket_path}")
             list_and_watch = channel.unary_stream(

@@ -23,7 +23,7 @@ from daemon_support import RESOURCE, WAIT, log_line, serving
 from metrics_support import metrics_port
 from raw_clients import Outcome, call, grpc_frame, http_get, reset_after
 
-from pcc_plugin import http_server
+from pcc_plugin.limits import DEFAULT
 from pcc_plugin.sim import Daemon, FakeNode, SimKubelet, StartDaemon, run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
 
@@ -372,7 +372,7 @@ async def test_probes_are_answered_while_a_thousand_half_requests_wait(
                 # connections ahead of it timed out, REQUEST_TIMEOUT for each MAX_CONNECTIONS.
                 request = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n"
                 answer = await run_blocking(
-                    http_get, "127.0.0.1", port, request, timeout=http_server.REQUEST_TIMEOUT
+                    http_get, "127.0.0.1", port, request, timeout=DEFAULT.http_timeout
                 )
                 assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
         finally:

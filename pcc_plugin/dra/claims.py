@@ -30,17 +30,11 @@ from pcc_plugin.dra.checkpoint import (
 from pcc_plugin.dra.kube import RequestFailed, describe_error, retrying, status_code
 from pcc_plugin.inventory import Inventory
 from pcc_plugin.klog import V1
+from pcc_plugin.limits import DEFAULT, Limits
 from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
 
-# Every call is answered within this (claims read, the lock waited for, the work done), inside
-# grpc_server.UNARY_TIMEOUT (30 s), itself inside kubelet's 45 s: kubelet always hears why a
-# claim failed, a claim that could not be read or a lock another call held too long.
-ANSWER_WITHIN = 25.0
-# Reading the claims of one call from the API server, before the lock is taken: a stalled read
-# holds up no other call.
-READ_CLAIMS_TIMEOUT = 20.0
 
 # Reads a ResourceClaim as JSON (namespace, name); raises kube.RequestFailed.
 GetClaim = Callable[[str, str], Awaitable[dict[str, Any]]]
@@ -79,6 +73,9 @@ class Preparer:
     cdi_dir: Path
     owner: str
     get_claim: GetClaim
+    # Its deadlines: claims read within `read_claims_timeout`, every call (claims read, the
+    # lock waited for, the work done) answered within `answer_within`.
+    limits: Limits = DEFAULT
 
     async def prepare(self, claims: list[ClaimRef]) -> dict[str, PreparedClaim | str]:
         """Each claim as prepared, or why it cannot be now.
@@ -90,7 +87,7 @@ class Preparer:
            driver's devices of its allocation, a CDI spec, and a record.
         3. The checkpoint is written as the lock is let go, before kubelet hears the answers.
         """
-        deadline = trio.current_time() + ANSWER_WITHIN
+        deadline = trio.current_time() + self.limits.answer_within
         known = self.checkpoint.peek()
         read = await self._read([claim for claim in claims if claim.uid not in known])
         answers: dict[str, PreparedClaim | str] = {}
@@ -115,7 +112,7 @@ class Preparer:
         is in its checkpoint; else only if this instance wrote it), then its record."""
         answers: dict[str, str | None] = {}
         try:
-            async with self.checkpoint.locked(ANSWER_WITHIN) as prepared:
+            async with self.checkpoint.locked(self.limits.answer_within) as prepared:
                 for claim in claims:
                     try:
                         # The spec's name is this driver's and the claim's: whoever wrote it
@@ -226,7 +223,9 @@ class Preparer:
 
     async def _read(self, claims: list[ClaimRef]) -> dict[str, dict[str, Any] | ClaimError]:
         """Each claim as the API server has it, read at once, or why it could not be read."""
-        late = ClaimError(f"reading the ResourceClaim took over {READ_CLAIMS_TIMEOUT} s", "api")
+        late = ClaimError(
+            f"reading the ResourceClaim took over {self.limits.read_claims_timeout} s", "api"
+        )
         found: dict[str, dict[str, Any] | ClaimError] = dict.fromkeys(
             (claim.uid for claim in claims), late
         )
@@ -243,7 +242,7 @@ class Preparer:
                     )
                 )
 
-        with trio.move_on_after(READ_CLAIMS_TIMEOUT):
+        with trio.move_on_after(self.limits.read_claims_timeout):
             async with trio.open_nursery() as nursery:
                 for claim in claims:
                     nursery.start_soon(read, claim)

@@ -41,6 +41,7 @@ from pcc_plugin.generations import (
 )
 from pcc_plugin.inotify import DIR_GONE, VANISHED, next_events
 from pcc_plugin.inventory import Inventory, watch_health
+from pcc_plugin.limits import DRA_SOCKET
 from pcc_plugin.plugin_dir import accepts_connections, own_socket_problem, remove_stale_sockets
 from pcc_plugin.resource import Device, ResourceSpec
 from pcc_plugin.state import ResourceState
@@ -107,7 +108,7 @@ class DraMode:
                 nursery.start_soon(self.preparer.forget_deleted_claims)
                 nursery.start_soon(serve_generations, self, bug_backoff)
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(grpc_server.TEARDOWN_GRACE):
+            with trio.CancelScope(shield=True), trio.move_on_after(DRA_SOCKET.teardown_grace):
                 await api.close()
 
     def _alive(self, other: slices.Instance) -> bool:
@@ -155,9 +156,9 @@ class DraMode:
         )
         kubelets = {**dra_methods(self.preparer), **health_methods(self.health)}
         sockets = [
-            (path, await generation.nursery.start(grpc_server.serve, server, path))
+            (path, await generation.nursery.start(server.serve, path))
             for server, path in (
-                (grpc_server.Server(kubelets, report, idle_client=True), dra_path),
+                (grpc_server.Server(kubelets, report, limits=DRA_SOCKET), dra_path),
                 (grpc_server.Server(registration, report), registration_path),
             )
         ]

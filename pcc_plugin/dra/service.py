@@ -21,6 +21,7 @@ from pcc_plugin.dra.claims import ClaimRef, Preparer
 from pcc_plugin.dra.sockets import DRA_V1, DRA_V1BETA1, PLUGIN_TYPE
 from pcc_plugin.grpc_server import Call, GRPCError, MethodSpec, Status
 from pcc_plugin.klog import V1
+from pcc_plugin.limits import Limits
 from pcc_plugin.state import ResourceState
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,6 @@ REGISTRATION = "/pluginregistration.Registration/"
 # What GetInfo offers, preferred first: kubelet takes the first it knows (and, apart, the first
 # of the health services, dra/health.py).
 SUPPORTED_SERVICES = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
-# Kubelet sends the claims of one pod; a pod has far fewer.
-MAX_CLAIMS = 128
-# A claim names a namespace (63 bytes at most), a name (253) and a UID (36): with their
-# keys and lengths, some 360 bytes.
-MAX_CLAIM_BYTES = 1024
 
 
 def registration_methods(
@@ -84,7 +80,7 @@ def dra_methods(preparer: Preparer) -> dict[str, MethodSpec]:
 
 
 async def prepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> bytes:
-    claims = read_claims(data, "NodePrepareResourcesRequest")
+    claims = read_claims(data, "NodePrepareResourcesRequest", call.server.limits)
     with preparer.state.dra_call("prepare"):
         answers = await call_trio(preparer.prepare, claims)
     return bytes(
@@ -110,7 +106,7 @@ async def prepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> byte
 
 
 async def unprepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> bytes:
-    claims = read_claims(data, "NodeUnprepareResourcesRequest")
+    claims = read_claims(data, "NodeUnprepareResourcesRequest", call.server.limits)
     with preparer.state.dra_call("unprepare"):
         answers = await call_trio(preparer.unprepare, claims)
     return bytes(
@@ -123,22 +119,22 @@ async def unprepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> by
     )
 
 
-def read_claims(data: bytes, name: str) -> list[ClaimRef]:
+def read_claims(data: bytes, name: str, limits: Limits) -> list[ClaimRef]:
     """The claims of request `name`, read from the wire as far as the limits allow: a request
     past one costs what its bytes up to there cost (INVALID_ARGUMENT), not all of it."""
     try:
-        read = wire.read_claims_request(data, MAX_CLAIMS, MAX_CLAIM_BYTES)
+        read = wire.read_claims_request(data, limits.claims, limits.claim_bytes)
         claims = [ClaimRef(claim["namespace"], claim["name"], claim["uid"]) for claim in read]
         if all(claim.uid and claim.namespace and claim.name for claim in claims):
             return claims
         why = f"{name} names a claim without namespace, name or UID"
     except wire.TooManyOthers:
-        why = f"{name} has more than {MAX_CLAIMS} fields besides its claims"
+        why = f"{name} has more than {limits.claims} fields besides its claims"
     except wire.TooMany:
-        why = f"{name} has more than {MAX_CLAIMS} claims"
+        why = f"{name} has more than {limits.claims} claims"
     except wire.TooLong as exc:
         why = (
-            f"{name} names a claim of {exc.size} bytes, more than the {MAX_CLAIM_BYTES} of any "
+            f"{name} names a claim of {exc.size} bytes, more than the {limits.claim_bytes} of any "
             "claim kubelet names"
         )
     except wire.WireError as exc:
