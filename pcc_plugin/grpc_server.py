@@ -122,12 +122,16 @@ async def _deadline(seconds: float | None, what: str) -> AsyncIterator[None]:
         raise GRPCError(Status.DEADLINE_EXCEEDED, f"{what} in time") from None
 
 
-class Connection:
-    """One client connection: its transport (asyncio's), and its calls (asyncio tasks)."""
+class Connection(asyncio.Protocol):
+    """One client connection, from its admission to its teardown: its trio task (`serve`)
+    admits it, hands its socket to asyncio with grpclib's protocol inside this one, closes it
+    when silent or idle, and on the way out closes it and waits for its calls (asyncio tasks).
+    """
 
     _numbers = itertools.count(1)
 
-    def __init__(self) -> None:
+    def __init__(self, server: Server) -> None:
+        self.server = server
         self.number = next(self._numbers)
         self.requests = 0
         # Bytes received, counted up to the HTTP/2 preface.
@@ -135,9 +139,11 @@ class Connection:
         self.last_active = trio.current_time()
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        # grpclib's protocol, from the set-up on; asyncio calls none before.
+        self._grpc = asyncio.Protocol()
         self._calls: set[asyncio.Task[Any]] = set()
         self._changed = trio.Event()
-        # Whether the watcher waits for the open calls to end: only then does the last one's
+        # Whether the watch waits for the open calls to end: only then does the last one's
         # end wake it (waking trio costs a thread switch; most calls need not).
         self._awaiting_calls = False
 
@@ -152,11 +158,83 @@ class Connection:
     def open_calls(self) -> int:
         return len(self._calls)
 
-    async def changed(self) -> None:
-        """Until the HTTP/2 preface, the first call, or the close."""
-        await self._changed.wait()
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
 
-    async def calls_ended(self) -> None:
+    # trio's side: the connection's task, and its close from outside (the connection cap)
+
+    async def serve(self, listener: Listener, stream: trio.SocketStream) -> None:
+        """Serve the connection until it ends or must be closed; never raises."""
+        server = self.server
+        # asyncio's transport owns the socket from here.
+        sock = socket.socket(fileno=stream.socket.detach())
+        if not server.cap.admit(self):
+            sock.close()
+            listener.next_one()
+            return
+        try:
+            try:
+                await call_asyncio(self._set_up, sock)
+            finally:
+                listener.next_one()
+            await self._watch()
+        except OSError as exc:
+            log.log(V1, "%s failed: %s", self, exc)
+        except Exception as exc:
+            # A bug, contained to this connection: the server goes on.
+            server.on_error("connection", exc)
+        finally:
+            server.cap.leave(self)
+            server.on_close(self)
+            with trio.CancelScope(shield=True), trio.move_on_after(server.limits.teardown_grace):
+                if self.transport is None:
+                    sock.close()
+                self.close()
+                if self._calls:
+                    await call_asyncio(asyncio.wait, list(self._calls))
+
+    async def _set_up(self, sock: socket.socket) -> None:
+        """Run grpclib's protocol on the connection, unless it was closed meanwhile."""
+        if self.closed:
+            return
+        self._grpc = _grpclib.protocol(self.server.grpc())
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: self, sock)
+
+    async def _watch(self) -> None:
+        """Until the connection closes, or must be closed for silence or idleness."""
+        limits = self.server.limits
+
+        def started() -> bool:
+            # A wrong preface, grpclib closes the connection on.
+            greeted = self.received >= PREFACE_BYTES
+            return greeted if limits.idle_client else self.sent_request
+
+        with trio.move_on_after(limits.first_request_timeout):
+            while not started() and not self.closed:
+                await self._changed.wait()
+        if not started():
+            if not self.closed:
+                log.log(V1, "Closing %s: no %s within %g s", self,
+                        "HTTP/2 preface" if limits.idle_client else "request",
+                        limits.first_request_timeout)  # fmt: skip
+            return
+        if limits.idle_client:
+            while not self.closed:
+                await self._changed.wait()
+            return
+        while not self.closed:
+            if self._calls:
+                await self._calls_ended()
+                continue
+            idle_until = self.last_active + limits.idle_timeout
+            if trio.current_time() >= idle_until:
+                log.log(V1, "Closing %s: idle for %g s", self, limits.idle_timeout)
+                return
+            with trio.move_on_at(idle_until):
+                await self._changed.wait()
+
+    async def _calls_ended(self) -> None:
         """Until no call is open, or the close."""
         self._awaiting_calls = True
         try:
@@ -165,66 +243,30 @@ class Connection:
         finally:
             self._awaiting_calls = False
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    # asyncio's side
-
-    def data_received(self, size: int) -> None:
-        if self.received < PREFACE_BYTES:
-            self.received += size
-            if self.received >= PREFACE_BYTES:
-                self._notify()
-
-    def call_began(self, task: asyncio.Task[Any]) -> None:
-        self.requests += 1
-        self._calls.add(task)
-        if self.requests == 1:
-            self._notify()  # from now on the idle timeout applies
-
-    def call_ended(self, task: asyncio.Task[Any]) -> None:
-        self._calls.discard(task)
-        self.last_active = trio.current_time()
-        if self._awaiting_calls and not self._calls:
-            self._notify()
-
-    def lost(self) -> None:
-        self.closed = True
-        self._notify()
-
-    # trio's side
-
     def close(self) -> None:
         """Close the connection now: its calls are cancelled, its streams end."""
         if self.transport is not None:
             self.transport.abort()
         for task in self._calls:
             task.cancel()
-        self.lost()
+        self.closed = True
+        self._notify()
 
-    async def wait_finished(self) -> None:
-        if self._calls:
-            await call_asyncio(asyncio.wait, list(self._calls))
-
-
-class _Observed(asyncio.Protocol):
-    """grpclib's protocol for one connection, which tells the Connection what happens."""
-
-    def __init__(self, grpc: asyncio.Protocol, connection: Connection) -> None:
-        self._grpc = grpc
-        self._connection = connection
+    # asyncio's side: the protocol, grpclib's inside it; and each call's start and end
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        self._connection.transport = transport
+        self.transport = transport
         self._grpc.connection_made(transport)
-        if self._connection.closed:
-            transport.abort()  # evicted while it was being set up
+        if self.closed:
+            transport.abort()  # closed while it was being set up
 
     def data_received(self, data: bytes) -> None:
-        self._connection.data_received(len(data))
-        token = CONNECTION.set(self._connection)
+        if self.received < PREFACE_BYTES:
+            self.received += len(data)
+            if self.received >= PREFACE_BYTES:
+                self._notify()
+        token = CONNECTION.set(self)
         try:
             self._grpc.data_received(data)
         finally:
@@ -241,7 +283,20 @@ class _Observed(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._grpc.connection_lost(exc)
-        self._connection.lost()
+        self.closed = True
+        self._notify()
+
+    def call_began(self, task: asyncio.Task[Any]) -> None:
+        self.requests += 1
+        self._calls.add(task)
+        if self.requests == 1:
+            self._notify()  # from now on the idle timeout applies
+
+    def call_ended(self, task: asyncio.Task[Any]) -> None:
+        self._calls.discard(task)
+        self.last_active = trio.current_time()
+        if self._awaiting_calls and not self._calls:
+            self._notify()
 
 
 class Listener(trio.abc.Listener[trio.SocketStream]):
@@ -343,7 +398,7 @@ class Server:
                 _unknown_method,
                 self.limits.window,
             )
-            handler = functools.partial(self.serve_connection, listener)
+            handler = functools.partial(self._serve_connection, listener)
             async with trio.open_nursery() as nursery:
                 await nursery.start(trio.serve_listeners, handler, [listener])
                 task_status.started(own)
@@ -351,78 +406,13 @@ class Server:
             with trio.CancelScope(shield=True):
                 await listener.aclose()
 
-    async def serve_connection(self, listener: Listener, stream: trio.SocketStream) -> None:
-        """Serve one connection until it ends or must be closed; never raises."""
-        connection = Connection()
-        # asyncio's transport owns the socket from here.
-        sock = socket.socket(fileno=stream.socket.detach())
-        if not self.cap.admit(connection):
-            sock.close()
-            listener.next_one()
-            return
-        try:
-            try:
-                await call_asyncio(self._set_up, connection, sock)
-            finally:
-                listener.next_one()
-            await self._watch(connection)
-        except OSError as exc:
-            log.log(V1, "%s failed: %s", connection, exc)
-        except Exception as exc:
-            # A bug, contained to this connection: the server goes on.
-            self.on_error("connection", exc)
-        finally:
-            self.cap.leave(connection)
-            self.on_close(connection)
-            with trio.CancelScope(shield=True), trio.move_on_after(self.limits.teardown_grace):
-                if connection.transport is None:
-                    sock.close()
-                connection.close()
-                await connection.wait_finished()
-
-    async def _set_up(self, connection: Connection, sock: socket.socket) -> None:
-        """Run grpclib's protocol on the connection, unless it was evicted meanwhile."""
-        if connection.closed:
-            return
+    def grpc(self) -> grpclib.server.Server:
+        """grpclib's server, whose protocol each connection runs (made as the socket is)."""
         assert self._grpc is not None
-        grpc = self._grpc
-        await asyncio.get_running_loop().connect_accepted_socket(
-            lambda: _Observed(_grpclib.protocol(grpc), connection), sock
-        )
+        return self._grpc
 
-    async def _watch(self, connection: Connection) -> None:
-        """Until the connection closes, or must be closed for silence or idleness."""
-
-        limits = self.limits
-
-        def started() -> bool:
-            # A wrong preface, grpclib closes the connection on.
-            greeted = connection.received >= PREFACE_BYTES
-            return greeted if limits.idle_client else connection.sent_request
-
-        with trio.move_on_after(limits.first_request_timeout):
-            while not started() and not connection.closed:
-                await connection.changed()
-        if not started():
-            if not connection.closed:
-                log.log(V1, "Closing %s: no %s within %g s", connection,
-                        "HTTP/2 preface" if limits.idle_client else "request",
-                        limits.first_request_timeout)  # fmt: skip
-            return
-        if limits.idle_client:
-            while not connection.closed:
-                await connection.changed()
-            return
-        while not connection.closed:
-            if connection.open_calls:
-                await connection.calls_ended()
-                continue
-            idle_until = connection.last_active + limits.idle_timeout
-            if trio.current_time() >= idle_until:
-                log.log(V1, "Closing %s: idle for %g s", connection, limits.idle_timeout)
-                return
-            with trio.move_on_at(idle_until):
-                await connection.changed()
+    async def _serve_connection(self, listener: Listener, stream: trio.SocketStream) -> None:
+        await Connection(self).serve(listener, stream)
 
     # asyncio: one call
 

@@ -29,7 +29,7 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
                             ├── Server.serve        [dp] the socket, a fresh name each time;
                             │   │                   [dra] the DRA socket, then the
                             │   │                   registration socket kubelet dials
-                            │   └── trio.serve_listeners → Server.serve_connection, one per
+                            │   └── trio.serve_listeners → Connection.serve, one per
                             │       connection (below)
                             ├── watch_plugin_dir    [dp] kubelet.sock created, own socket gone
                             ├── follow              [dp] one per newer instance of the
