@@ -15,6 +15,8 @@ from __future__ import annotations
 import errno
 import logging
 import random
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -122,8 +124,13 @@ class Generation:
         self.nursery.cancel_scope.cancel()
 
 
+# Starts a generation's tasks in its nursery; OSError if its sockets cannot be served.
+ServeGeneration = Callable[[Generation], Awaitable[None]]
+
+
 class Mode(Protocol):
-    """What the skeleton needs of a mode (plugin.DevicePluginMode, dra.driver.DraMode)."""
+    """What the skeleton needs of a mode (plugin.DevicePluginMode, dra.driver.DraMode): each
+    is built from the configuration alone, and `supervise_resource` runs it."""
 
     state: ResourceState
     # Kubelet's directory the generation's sockets go in: waited for before each generation.
@@ -133,12 +140,10 @@ class Mode(Protocol):
     # What a generation serves, as log lines name it.
     server: str
 
-    async def serve(self, bug_backoff: Backoff) -> None:
-        """Everything of the resource (the inventory's watch, `serve_generations`)."""
-
-    async def serve_generation(self, generation: Generation) -> None:
-        """Start the generation's tasks in its nursery; OSError if its sockets cannot be
-        served."""
+    def running(self) -> AbstractAsyncContextManager[ServeGeneration]:
+        """The resource's own tasks beside its generations (the inventory's watch; the DRA
+        driver's API client and publisher), for as long as the block runs; what it hands
+        over serves each generation with what they made."""
 
 
 async def supervise_resource(mode: Mode) -> None:
@@ -150,7 +155,8 @@ async def supervise_resource(mode: Mode) -> None:
     backoff = Backoff(first=BUG_RESTART_FIRST, cap=BUG_RESTART_CAP)
     while True:
         try:
-            await mode.serve(backoff)
+            async with mode.running() as serve_generation:
+                await serve_generations(mode, serve_generation, backoff)
         except Exception as exc:
             fatal, _ = exc.split(FatalError) if isinstance(exc, ExceptionGroup) else (None, None)
             if fatal is not None or isinstance(exc, FatalError):
@@ -160,7 +166,9 @@ async def supervise_resource(mode: Mode) -> None:
             await trio.sleep(delay)
 
 
-async def serve_generations(mode: Mode, bug_backoff: Backoff) -> None:
+async def serve_generations(
+    mode: Mode, serve_generation: ServeGeneration, bug_backoff: Backoff
+) -> None:
     """One generation after another. Faults back to back wait, an isolated one does not.
 
     The inotify instance lasts as long as this does: closing one that has a watch returns only
@@ -179,7 +187,7 @@ async def serve_generations(mode: Mode, bug_backoff: Backoff) -> None:
             async with trio.open_nursery() as nursery:
                 generation = Generation(nursery, cause, inotify)
                 try:
-                    await mode.serve_generation(generation)
+                    await serve_generation(generation)
                 except OSError as exc:
                     vanished_before = _cannot_serve(mode, generation, exc, vanished_before)
                 else:

@@ -1,7 +1,8 @@
 """Every bound the daemon keeps against what its clients send, in one frozen `Limits`.
 
-The servers take one (`grpc_server.Server`, `http_server.HttpServer`), and a method reads the
-limits of its call's server; the DRA mode's preparer takes one for its deadlines. What each
+The servers take one for what a connection may do (`grpc_server.Server`,
+`http_server.HttpServer`), the services for what a request may hold (`service.DevicePlugin`,
+the DRA mode's `claims.Preparer`, whose deadlines are here too). What each
 guards against is the README's "Limits" table, which a test checks against `Limits()`. A test
 that needs a shorter deadline builds its own `Limits`.
 """

@@ -16,7 +16,7 @@ at most once per `UNREACHABLE_REPEAT`), and one info line says when it is back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +27,7 @@ from pcc_plugin import grpc_clients
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.fs import Identity, identity, is_socket
 from pcc_plugin.generations import Backoff, Outage
+from pcc_plugin.grpc_server import Call, MethodSpec
 from pcc_plugin.klog import V1
 from pcc_plugin.plugin_dir import KUBELET_RESTARTED, KUBELET_SOCKET, accepts_connections
 from pcc_plugin.state import ResourceState
@@ -94,6 +95,32 @@ class KubeletLink:
         # opened, that is the only sign.
         if connection is self.connection:
             self.ended.set()
+
+    def tell_apart(self, methods: Mapping[str, MethodSpec], service: str) -> dict[str, MethodSpec]:
+        """`methods`, the DevicePlugin service at `service`, with kubelet's calls told apart:
+        who asks for the options, which ListAndWatch streams open and end."""
+        options = methods[service + "GetDevicePluginOptions"].answer
+        stream = methods[service + "ListAndWatch"].stream
+        assert options is not None
+        assert stream is not None
+
+        def options_called(data: bytes, call: Call) -> bytes | Awaitable[bytes]:
+            answer = options(data, call)
+            self.options_called(call.connection)
+            return answer
+
+        async def watched(call: Call) -> None:
+            is_kubelet = self.stream_opened(call.connection)
+            try:
+                await stream(call)
+            finally:
+                self.stream_closed(is_kubelet)
+
+        return {
+            **methods,
+            service + "GetDevicePluginOptions": MethodSpec(options_called),
+            service + "ListAndWatch": MethodSpec(stream=watched),
+        }
 
 
 @attrs.define(eq=False)

@@ -4,8 +4,8 @@
 ListAndWatch stream gets, Allocate and PreStartContainer, and with --cdi its CDI spec, kept as
 the devices are; `methods` serves them on one generation's socket. Requests are
 read by `wire` within limits that follow the resource: an Allocate names at most as many
-device IDs as the resource advertises, in at most its server's `Limits.container_requests`
-container requests (kubelet sends one). Client mistakes are INVALID_ARGUMENT, a gone device
+device IDs as the resource advertises, in at most `Limits.container_requests` container
+requests (kubelet sends one). Client mistakes are INVALID_ARGUMENT, a gone device
 FAILED_PRECONDITION.
 """
 
@@ -25,8 +25,7 @@ from pcc_plugin.flags import DEFAULT_INSTANCE_NAME
 from pcc_plugin.grpc_server import Call, GRPCError, MethodSpec, Status
 from pcc_plugin.inventory import Inventory
 from pcc_plugin.klog import V1
-from pcc_plugin.limits import Limits
-from pcc_plugin.registration import KubeletLink
+from pcc_plugin.limits import DEFAULT, Limits
 from pcc_plugin.resource import Device, Grant, ResourceSpec, grant
 from pcc_plugin.state import ResourceState
 
@@ -80,8 +79,10 @@ class DevicePlugin:
         pre_start_check: bool = False,
         cdi_spec_dir: Path | None = None,
         instance_name: str = DEFAULT_INSTANCE_NAME,
+        limits: Limits = DEFAULT,
     ) -> None:
         self.spec = spec
+        self.limits = limits
         self.state = state
         self._cdi_spec_dir = cdi_spec_dir
         self._instance_name = instance_name
@@ -103,13 +104,11 @@ class DevicePlugin:
                 log.error("%s", problem)
             self._cdi_problem = problem
 
-    def methods(self, link: KubeletLink) -> dict[str, MethodSpec]:
-        """The service on one generation's socket, which `link` tells kubelet's calls on."""
-        options = functools.partial(self.get_device_plugin_options, link)
-        stream = functools.partial(self.list_and_watch, link)
+    def methods(self) -> dict[str, MethodSpec]:
+        """The service, as one generation's socket serves it."""
         return {
-            SERVICE + "GetDevicePluginOptions": MethodSpec(options),
-            SERVICE + "ListAndWatch": MethodSpec(stream=stream),
+            SERVICE + "GetDevicePluginOptions": MethodSpec(self.get_device_plugin_options),
+            SERVICE + "ListAndWatch": MethodSpec(stream=self.list_and_watch),
             SERVICE + "GetPreferredAllocation": MethodSpec(self.get_preferred_allocation),
             SERVICE + "Allocate": MethodSpec(self.allocate),
             SERVICE + "PreStartContainer": MethodSpec(self.pre_start_container),
@@ -117,18 +116,13 @@ class DevicePlugin:
 
     # Unary methods answer a request's bytes with the response's (see grpc_server.MethodSpec).
 
-    def get_device_plugin_options(self, link: KubeletLink, data: bytes, call: Call) -> bytes:
+    def get_device_plugin_options(self, data: bytes, call: Call) -> bytes:
         wire.check_request(data, wire.EMPTY, "Empty")
-        link.options_called(call.connection)
         return self._options
 
-    async def list_and_watch(self, link: KubeletLink, call: Call) -> None:
+    async def list_and_watch(self, call: Call) -> None:
         wire.check_request(await call.receive(), wire.EMPTY, "Empty")
-        is_kubelet = link.stream_opened(call.connection)
-        try:
-            await self.feed.stream(call.send)
-        finally:
-            link.stream_closed(is_kubelet)
+        await self.feed.stream(call.send)
 
     def get_preferred_allocation(self, data: bytes, call: Call) -> bytes:
         # Not offered, so nothing of the request is read: only that it is a message at all.
@@ -139,7 +133,7 @@ class DevicePlugin:
         )
 
     def allocate(self, data: bytes, call: Call) -> bytes:
-        limits = call.server.limits
+        limits = self.limits
         try:
             containers = wire.read_allocate_request(
                 data, limits.container_requests, len(self.inventory.devices),
@@ -147,7 +141,7 @@ class DevicePlugin:
             )  # fmt: skip
             return encode_allocate_response(tuple(self.grants(containers)))
         except (wire.WireError, wire.TooMany, wire.TooLong) as exc:
-            refused = self._unreadable("AllocateRequest", exc, limits)
+            refused = self._unreadable("AllocateRequest", exc)
         except GRPCError as exc:
             refused = exc
         # --v=1 logs each Allocate: a refused one with the reason kubelet is given.
@@ -197,7 +191,7 @@ class DevicePlugin:
                 data, len(self.inventory.devices), self.inventory.longest_id
             )
         except (wire.WireError, wire.TooMany, wire.TooLong) as exc:
-            raise self._unreadable("PreStartContainerRequest", exc, call.server.limits) from None
+            raise self._unreadable("PreStartContainerRequest", exc) from None
         devices = self._devices_named("PreStartContainerRequest", device_ids)
         if self.options.pre_start_required:
             # One fresh look at the node; each device's problem includes the shared ones.
@@ -230,12 +224,12 @@ class DevicePlugin:
         return [device for device_id in ids if (device := self.inventory.get(device_id))]
 
     def _unreadable(
-        self, name: str, exc: wire.WireError | wire.TooMany | wire.TooLong, limits: Limits
+        self, name: str, exc: wire.WireError | wire.TooMany | wire.TooLong
     ) -> GRPCError:
         """A request that is malformed, or too large for this resource: INVALID_ARGUMENT."""
         resource, count = self.spec.name, len(self.inventory.devices)
         if isinstance(exc, wire.TooManyContainers):
-            why = f"{name} has more than {limits.container_requests} container requests"
+            why = f"{name} has more than {self.limits.container_requests} container requests"
         elif isinstance(exc, wire.TooMany):
             why = f"{name} names more device IDs than the {count} {resource} advertises"
         elif isinstance(exc, wire.TooLong):

@@ -10,8 +10,9 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
             │   └── trio.serve_listeners → HttpServer.handle, one per connection
             ├── watch_config_file    [dp] with --config: the file, or the ConfigMap's ..data swap
             └── Resources.serve      the configuration; applies reloads
-                └── supervise_resource, one per resource, in a cancel scope of its own: it
-                    │                runs Mode.serve, and again, alone, after a bug
+                └── supervise_resource, one per resource, in a cancel scope of its own: the
+                    │                mode's own tasks (Mode.running), then its generations;
+                    │                both again, alone, after a bug
                     ├── watch_health          inotify on the device's and mounts' parents
                     ├── DraMode.keep_publishing   [dra] slices.publish, again alone after a bug:
                     │   │                   the node's ResourceSlices listed once, then
@@ -20,7 +21,8 @@ mode only (plugin.py), [dra] those of the DRA mode only (dra/driver.py); the res
                     │       └── Publisher.keep    the slices written as the node and watch say
                     ├── Preparer.forget_deleted_claims   [dra] at start: the checkpointed claims
                     │                       the API server no longer has, forgotten; then ends
-                    └── serve_generations     one generation after another (one inotify)
+                    └── serve_generations     (in supervise_resource's own task) one
+                        │                     generation after another (one inotify)
                         ├── wait_for_directory until kubelet has created it
                         └── generation nursery: cancelling it is how the resource restarts
                             ├── forget_faults_when_stable
@@ -165,18 +167,9 @@ class Resources:
                      config.driver_name, spec.name, spec.count, config.node_name)  # fmt: skip
             return DraMode(config, spec, state)
         from pcc_plugin.plugin import DevicePluginMode
-        from pcc_plugin.service import DevicePlugin
 
         log.info("Starting pcc-device-plugin: %s x%d", spec.name, spec.count)
-        plugin = DevicePlugin(
-            spec,
-            config.host_root,
-            state,
-            pre_start_check=config.pre_start_check,
-            cdi_spec_dir=self._cdi_spec_dir,
-            instance_name=config.instance_name,
-        )
-        return DevicePluginMode(config, plugin)
+        return DevicePluginMode(config, spec, state)
 
     async def _run(self, mode: Mode, scope: trio.CancelScope) -> None:
         with self.daemon.serving(mode.state), scope:

@@ -155,8 +155,9 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
         await log_line(daemon, "Registered device plugin with Kubelet")
         daemon.proc.send_signal(signal.SIGUSR1)
         await log_line(daemon, "Task tree:")
-        # The tree's last line: it is written depth first, in name order.
-        await log_line(daemon, "inventory.watch_health")
+        # The tree's last line: it is written depth first, each nursery's tasks in name order,
+        # the generation's nursery last.
+        await log_line(daemon, "registration.reregister_when_stream_ends")
         text = daemon.log_text()
         # It says what it is, then the configuration comes.
         messages = [line.split("] ", 1)[1] for line in text.splitlines()]
@@ -172,7 +173,7 @@ async def test_sigusr1_writes_the_task_tree_and_state_and_goes_on(
         )
         assert f"counters {RESOURCE}: registrations=" in text
         # Kubelet's connection is served by one of trio.serve_listeners' handler tasks.
-        for task in ("handle_signals", "serve_generations", "watch_health", "watch_plugin_dir",
+        for task in ("handle_signals", "supervise_resource", "watch_health", "watch_plugin_dir",
                      "Server.serve", "serve_listeners._run_handler",
                      "forget_faults_when_stable", "reregister_when_stream_ends"):  # fmt: skip
             assert task in text

@@ -3,9 +3,11 @@ be; faults back to back wait and are forgotten once the resource is ready for a 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import attrs
@@ -18,6 +20,7 @@ from pcc_plugin.generations import (
     STABLE_AFTER,
     Backoff,
     Generation,
+    ServeGeneration,
     forget_faults_when_stable,
     serve_generations,
     supervise_resource,
@@ -27,7 +30,7 @@ from pcc_plugin.state import ResourceState
 
 @attrs.define
 class FakeMode:
-    """A mode whose serving fails as told: `serve` with `bug` the first `failures` times,
+    """A mode whose serving fails as told: `running` with `bug` the first `failures` times,
     `serve_generation` with `fault` (an OSError) the first `faults` times."""
 
     state: ResourceState
@@ -41,11 +44,12 @@ class FakeMode:
     served: list[float] = attrs.Factory(list)
     generations: list[tuple[float, str]] = attrs.Factory(list)
 
-    async def serve(self, bug_backoff: Backoff) -> None:
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[ServeGeneration]:
         self.served.append(trio.current_time())
         if len(self.served) <= self.failures:
             raise self.bug
-        await serve_generations(self, bug_backoff)
+        yield self.serve_generation
 
     async def serve_generation(self, generation: Generation) -> None:
         self.generations.append((trio.current_time(), generation.cause))
@@ -85,7 +89,7 @@ async def test_faults_back_to_back_wait_and_are_said_once(
     caplog.set_level(logging.INFO)
     mode = FakeMode(ResourceState("x"), tmp_path, faults=6)
     with trio.move_on_after(60):
-        await serve_generations(mode, Backoff())
+        await serve_generations(mode, mode.serve_generation, Backoff())
     times = [at for at, _ in mode.generations]
     gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
     assert gaps[0] == 0
@@ -158,7 +162,7 @@ async def test_a_file_vanishing_under_a_generation_is_an_error_only_if_it_happen
     vanished = FileNotFoundError(2, "No such file or directory", str(staged), "pcc-1.sock")
     mode = FakeMode(ResourceState("x"), tmp_path, faults=times, fault=vanished)
     with trio.move_on_after(60):
-        await serve_generations(mode, Backoff())
+        await serve_generations(mode, mode.serve_generation, Backoff())
     assert len(mode.generations) == times + 1
     assert mode.generations[1][0] == 0  # the first time, at once
     problem = f"cannot serve in {tmp_path}: [Errno 2] No such file or directory"

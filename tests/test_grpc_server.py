@@ -32,7 +32,6 @@ from raw_clients import call, closed_by_server, connect, grpc_frame, request_hea
 from pcc_plugin import bridge, grpc_server
 from pcc_plugin.flags import Flags
 from pcc_plugin.limits import DEFAULT, DRA_SOCKET, Limits
-from pcc_plugin.registration import KubeletLink
 from pcc_plugin.service import DevicePlugin
 from pcc_plugin.sim import run_blocking
 from pcc_plugin.sim._pb import deviceplugin_v1beta1_pb2 as pb
@@ -67,7 +66,7 @@ async def serving(
         (host / "var" / "run" / "pcc").mkdir(parents=True)
         host_root = str(host)
     plugin = DevicePlugin(Flags().pcc_resource(), host_root, stats or ResourceState("x"))
-    methods = plugin.methods(KubeletLink(plugin.state))
+    methods = plugin.methods()
     server = grpc_server.Server(methods, plugin.state.handler_failed, limits=limits)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve, socket_path)

@@ -10,7 +10,6 @@ import pytest
 
 from pcc_plugin._proto import v1beta1 as api
 from pcc_plugin.flags import Flags
-from pcc_plugin.registration import KubeletLink
 from pcc_plugin.service import DevicePlugin
 from pcc_plugin.state import ResourceState
 
@@ -54,4 +53,4 @@ def test_grpc_paths_are_kubelets() -> None:
     assert set(api.DevicePluginBase().__mapping__()) == device_plugin
     # The daemon's own handlers replace the generated ones on the same paths.
     plugin = DevicePlugin(Flags().pcc_resource(), "", ResourceState("x"))
-    assert set(plugin.methods(KubeletLink(plugin.state))) == device_plugin
+    assert set(plugin.methods()) == device_plugin

@@ -73,8 +73,9 @@ class Preparer:
     cdi_dir: Path
     owner: str
     get_claim: GetClaim
-    # Its deadlines: claims read within `read_claims_timeout`, every call (claims read, the
-    # lock waited for, the work done) answered within `answer_within`.
+    # What a call may hold (`claims`, `claim_bytes`); its deadlines: claims read within
+    # `read_claims_timeout`, every call (claims read, the lock waited for, the work done)
+    # answered within `answer_within`.
     limits: Limits = DEFAULT
 
     async def prepare(self, claims: list[ClaimRef]) -> dict[str, PreparedClaim | str]:

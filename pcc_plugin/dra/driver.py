@@ -15,8 +15,10 @@ loop alone (`keep_publishing`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from pcc_plugin.generations import (
     BUG_RESTART_FIRST,
     Backoff,
     Generation,
-    serve_generations,
+    ServeGeneration,
 )
 from pcc_plugin.inotify import DIR_GONE, VANISHED, next_events
 from pcc_plugin.inventory import Inventory, watch_health
@@ -54,8 +56,6 @@ class DraMode:
 
     server = "the DRA driver's sockets"
     directory_flags = "--kubelet-registry-path and --kubelet-plugins-path"
-    # Made anew with the API client each time the mode is served.
-    preparer: Preparer
 
     def __init__(self, config: Flags, spec: ResourceSpec, state: ResourceState) -> None:
         self.config = config
@@ -83,16 +83,20 @@ class DraMode:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def serve(self, bug_backoff: Backoff) -> None:
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[ServeGeneration]:
+        """The API client, the inventory's watch, the slices' publisher and the checkpoint's
+        claims, for as long as the generations run; each generation serves the preparer made
+        here."""
         config, inventory = self.config, self.inventory
         api = kube.open_client(config.kubeconfig)
         api.counted = self.state.api_requested
         checkpoint = Checkpoint(state_dir(config), config.driver_name)
-        self.preparer = Preparer(
+        preparer = Preparer(
             config.driver_name, config.node_name, inventory, self.state, checkpoint,
             Path(config.cdi_spec_dir), config.instance_name, api.get_claim,
         )  # fmt: skip
-        checkpoint.salvage = self.preparer.salvage
+        checkpoint.salvage = preparer.salvage
 
         sysfs = node_facts.sysfs_missing(config.host_root)
         if sysfs:
@@ -105,8 +109,9 @@ class DraMode:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)
                 nursery.start_soon(self.keep_publishing, api)
-                nursery.start_soon(self.preparer.forget_deleted_claims)
-                nursery.start_soon(serve_generations, self, bug_backoff)
+                nursery.start_soon(preparer.forget_deleted_claims)
+                yield functools.partial(self.serve_generation, preparer)
+                nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(DRA_SOCKET.teardown_grace):
                 await api.close()
@@ -141,20 +146,20 @@ class DraMode:
                           delay, exc_info=exc)  # fmt: skip
                 await trio.sleep(delay)
 
-    async def serve_generation(self, generation: Generation) -> None:
+    async def serve_generation(self, preparer: Preparer, generation: Generation) -> None:
         """Serve the DRA socket, then the registration socket, and watch both (each is removed
         again as it closes)."""
         config = self.config
         state_dir(config).mkdir(parents=True, exist_ok=True)
         remove_stale_sockets(earlier_sockets(config))
         # Beside the sockets, not before them: it waits for the lock another instance may hold.
-        generation.nursery.start_soon(self.preparer.restore_specs)
+        generation.nursery.start_soon(preparer.restore_specs)
         registration_path, dra_path = socket_paths(config)
         report = self.state.handler_failed
         registration = registration_methods(
             config.driver_name, str(dra_path), self.state, generation.cause
         )
-        kubelets = {**dra_methods(self.preparer), **health_methods(self.health)}
+        kubelets = {**dra_methods(preparer), **health_methods(self.health)}
         sockets = [
             (path, await generation.nursery.start(server.serve, path))
             for server, path in (

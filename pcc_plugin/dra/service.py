@@ -80,7 +80,7 @@ def dra_methods(preparer: Preparer) -> dict[str, MethodSpec]:
 
 
 async def prepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> bytes:
-    claims = read_claims(data, "NodePrepareResourcesRequest", call.server.limits)
+    claims = read_claims(data, "NodePrepareResourcesRequest", preparer.limits)
     with preparer.state.dra_call("prepare"):
         answers = await call_trio(preparer.prepare, claims)
     return bytes(
@@ -106,7 +106,7 @@ async def prepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> byte
 
 
 async def unprepare(preparer: Preparer, api: Any, data: bytes, call: Call) -> bytes:
-    claims = read_claims(data, "NodeUnprepareResourcesRequest", call.server.limits)
+    claims = read_claims(data, "NodeUnprepareResourcesRequest", preparer.limits)
     with preparer.state.dra_call("unprepare"):
         answers = await call_trio(preparer.unprepare, claims)
     return bytes(
