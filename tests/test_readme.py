@@ -79,7 +79,9 @@ async def test_a_failed_paste_says_its_first_failed_command_and_leaves_nothing_r
     the DRA simulator runs) is killed, and the scratch directory goes."""
     script = (
         'dir=$(mktemp -d)\n'
-        'setsid sleep 300 >"$dir/sleep.log" 2>&1 &\n'
+        # Made before the job: a job killed before its redirection ran would leave none.
+        ': >"$dir/sleep.log"\n'
+        'setsid sleep 300 >>"$dir/sleep.log" 2>&1 &\n'
         'alone=$!\n'
         'sleep 301 &\n'
         'echo "pids: $alone $!"\n'
@@ -88,7 +90,7 @@ async def test_a_failed_paste_says_its_first_failed_command_and_leaves_nothing_r
     )  # fmt: skip
     run = await run_pasted(script, tmp_path / "log")
     assert run.code == 127
-    assert run.failed == "no-such-program-pcc -s 127.0.0.1:8080/readyz (line 6, exit 127)"
+    assert run.failed == "no-such-program-pcc -s 127.0.0.1:8080/readyz (line 7, exit 127)"
     assert run.why().startswith(f"failed: {run.failed}\n")
     assert "never" not in run.said
     (pids,) = re.findall(r"^pids: (\d+) (\d+)$", run.said, re.M)
