@@ -212,12 +212,15 @@ class FakeApiServer(Simulator):
         """Unreachable: new connections refused, open ones (watches) cut."""
         with self._changed:
             server, self._server = self._server, None
-            connections = list(self._connections)
             self._changed.notify_all()
         if server is None:
             return
         server.shutdown()
         server.server_close()
+        # Read once accepting has stopped: a connection accepted while it stopped (a client
+        # coming back at once from its cut watch) is cut too, as a real outage would.
+        with self._changed:
+            connections = list(self._connections)
         for connection in connections:
             with contextlib.suppress(OSError):
                 connection.shutdown(socket.SHUT_RDWR)
@@ -599,6 +602,11 @@ class _Handler(BaseHTTPRequestHandler):
         with self.api._changed:
             self.api._connections.add(self.connection)
             self.api.connections += 1
+            stopped = self.api._server is not self.server
+        if stopped:
+            # Accepted as the server stopped, set up after `stop` cut the others.
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
 
     def finish(self) -> None:
         with self.api._changed:
