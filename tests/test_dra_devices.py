@@ -329,10 +329,12 @@ async def test_without_device_taints_unhealthy_devices_are_withdrawn_and_it_is_s
             "a device taint it was sent (DRADeviceTaints is off)",
         )
         await published(dra, [])
-        assert (
+        # Written right after the line above, each line a write of its own: waited for.
+        await log_line(
+            daemon,
             "--unhealthy-taint-effect=NoExecute cannot be honoured without device taints: pods "
-            "keep running on a device that goes"
-        ) in daemon.log_text()
+            "keep running on a device that goes",
+        )
 
 
 async def test_an_api_server_that_stops_serving_taints_gets_the_device_withdrawn(
