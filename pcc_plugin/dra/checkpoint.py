@@ -100,9 +100,10 @@ class Checkpoint:
             aside = path.with_name(f"{FILE}.unreadable")
             os.replace(path, aside)
             salvaged = self.salvage()
+            self.write(salvaged)
+            # Said once it is true on disk: whoever reads the line may read the file.
             log.error("Checkpoint %s was unreadable (%s), moved to %s; %d prepared claims "
                       "taken from their CDI specs", path, exc, aside, len(salvaged))  # fmt: skip
-            self.write(salvaged)
             return salvaged
 
     def write(self, claims: Claims) -> None:

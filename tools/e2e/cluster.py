@@ -806,15 +806,7 @@ class Cluster:
         for problem in problems:
             self.report.fail(f"kubelet restarts: {problem}")
         if not problems:
-            self.report.check(
-                "kubelet restarts: the plugin's legs within their bounds ("
-                + ", ".join(
-                    f"{name}, its own part, at most "
-                    f"{max(legs.judged(restarts, attribute)) * 1000:.1f} ms ≤ {bound * 1000:.0f} ms"
-                    for attribute, name, _, bound in legs.LEGS
-                )
-                + ")"
-            )
+            self.report.check(f"kubelet restarts: {legs.within_bounds(restarts)}")
         (old,) = self.plugin_pods()
         deleted = now()
         await self.kubectl("-n", SYSTEM, "delete", "pod", old["metadata"]["name"], "--wait=false")

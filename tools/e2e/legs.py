@@ -69,8 +69,9 @@ STREAM_OPENED = "ListAndWatch stream opened on"
 KUBELETS = "(kubelet's)"
 POD_LOGS = Path("/var/log/pods")
 TOOLS = Path(__file__).resolve().parents[1]
-# Bounds on the plugin's own part of each leg, p99 over a run's rounds: about three times the
-# p99 and twice the largest measured over 105 rounds on a busy two-core machine (docs/e2e.md).
+# Bounds on the plugin's own part of each leg in a round (one in ten may be above them, see
+# allowed_over): about three times the p99 and twice the largest measured over 148 rounds on a
+# busy two-core machine (docs/e2e.md).
 REGISTER_BOUND = 0.020
 LIST_BOUND = 0.015
 
@@ -252,9 +253,32 @@ def judged(restarts: list[Restart], attribute: str) -> list[float]:
     return [v for r in restarts if (v := r.own(attribute)) is not None]
 
 
+def allowed_over(rounds: int) -> int:
+    """How many of `rounds` restarts may see a leg's own part above its bound: one in ten, and
+    one in a run of fewer. The samples see a wait for a CPU, not every stall the machine makes
+    (a read the kernel does for a page fault puts the thread to sleep): once in a run, a stall
+    cannot be told from the machine's; again and again, it is the plugin's (docs/e2e.md)."""
+    return max(1, rounds // 10)
+
+
+def within_bounds(restarts: list[Restart]) -> str:
+    """The legs of a run that passed, as a check's line says them."""
+    parts = []
+    for attribute, name, _, bound in LEGS:
+        values = judged(restarts, attribute)
+        over = sum(value > bound for value in values)
+        parts.append(
+            f"the plugin's {name}, its own part, median {statistics.median(values) * 1000:.1f} "
+            f"ms, slowest {max(values) * 1000:.1f} ms, above {bound * 1000:.0f} ms in {over} of "
+            f"{len(values)}"
+        )
+    return "; ".join(parts)
+
+
 def over_bounds(restarts: list[Restart]) -> list[str]:
-    """What the plugin did wrong over a run's restarts: a leg whose p99 exceeds its bound, or
-    a restart after which it never registered or its log lacks a step."""
+    """What the plugin did wrong over a run's restarts: a leg whose own part is above its bound
+    in more of them than allowed (allowed_over), or a restart after which it never registered
+    or its log lacks a step."""
     problems = [
         f"restart {number}: the plugin's log shows no {', no '.join(missing)}"
         for number, restart in enumerate(restarts, 1)
@@ -269,11 +293,14 @@ def over_bounds(restarts: list[Restart]) -> list[str]:
     ]
     for attribute, name, span, bound in LEGS:
         values = judged(restarts, attribute)
-        if values and p99(values) > bound:
+        over = [value for value in values if value > bound]
+        if len(over) > allowed_over(len(values)):
             problems.append(
-                f"the plugin's {name} ({span}), its own part: p99 "
-                f"{p99(values) * 1000:.1f} ms over {len(values)} restarts, above its bound of "
-                f"{bound * 1000:.0f} ms (slowest {max(values) * 1000:.1f} ms)"
+                f"the plugin's {name} ({span}), its own part: above its bound of "
+                f"{bound * 1000:.0f} ms in {len(over)} of {len(values)} restarts "
+                f"({', '.join(f'{value * 1000:.1f}' for value in sorted(over, reverse=True))} ms; "
+                f"median {statistics.median(values) * 1000:.1f} ms), more than "
+                f"{allowed_over(len(values))} allowed"
             )
     return problems
 
