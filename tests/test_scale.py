@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
@@ -231,3 +232,21 @@ def test_the_go_reference_is_pinned_by_a_module_of_ours() -> None:
     assert builds.REFERENCE.binaries == ["dra-example-kubeletplugin"]
     go_sum = (builds.REFERENCE.module / "go.sum").read_text()
     assert f"sigs.k8s.io/dra-example-driver {builds.REFERENCE.version()} h1:" in go_sum
+
+
+def test_one_audit_policy_records_the_drivers_given_and_nobody_else() -> None:
+    """The benchmark's drivers (a group) and the cluster check's (a service account) are
+    recorded alike: the request's metadata, once it is answered."""
+    for who, policy in (
+        ({"userGroups": [audit.GROUP]}, audit.policy(groups=[audit.GROUP])),
+        (
+            {"users": ["system:serviceaccount:ns:a"]},
+            audit.policy(users=["system:serviceaccount:ns:a"]),
+        ),
+    ):
+        assert yaml.safe_load(policy) == {
+            "apiVersion": "audit.k8s.io/v1",
+            "kind": "Policy",
+            "omitStages": ["RequestReceived"],
+            "rules": [{"level": "Metadata", **who}, {"level": "None"}],
+        }

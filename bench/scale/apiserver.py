@@ -33,6 +33,7 @@ import attrs
 import yaml
 from e2e.control_plane import SERVICE_CIDR, Pki
 
+from bench.scale import audit
 from bench.scale.audit import GROUP, USER_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -45,15 +46,7 @@ STOP_WITHIN = 30.0
 APISERVER_EXIT_GRACE = 2.0
 CALL_TIMEOUT = 30.0
 
-AUDIT_POLICY = f"""\
-apiVersion: audit.k8s.io/v1
-kind: Policy
-omitStages: [RequestReceived]
-rules:
-  - level: Metadata
-    userGroups: ["{GROUP}"]
-  - level: None
-"""
+AUDIT_POLICY = audit.policy(groups=[GROUP])
 
 Obj = dict[str, Any]
 

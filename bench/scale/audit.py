@@ -1,6 +1,6 @@
 """What the drivers asked of the API server, read from its audit log, and the figures of it.
 
-The API server writes one JSON line per stage of a request (`policy.yaml` in apiserver.py: the
+The API server writes one JSON line per stage of a request (`policy`: the
 drivers' group at level Metadata, stage RequestReceived omitted, nobody else): a watch has a
 ResponseStarted line when it begins and a ResponseComplete line when it ends, every other
 request one ResponseComplete line. `AuditLog` reads the file as it grows and keeps one
@@ -24,6 +24,21 @@ import attrs
 USER_PREFIX = "scale:"
 GROUP = "scale:drivers"
 SLICES = "resourceslices"
+
+
+def policy(*, users: Iterable[str] = (), groups: Iterable[str] = ()) -> str:
+    """The API server's audit policy that records what `users` and `groups` ask (the request's
+    metadata, every stage but RequestReceived) and nothing else: what `AuditLog` reads, the
+    same for the benchmark's drivers (a group) and the cluster check's (its service account)."""
+    who = "".join(
+        f"    {field}: {json.dumps(list(names))}\n"
+        for field, names in (("users", users), ("userGroups", groups))
+        if names
+    )
+    return (
+        "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n"
+        f"  - level: Metadata\n{who}  - level: None\n"
+    )
 
 
 def _seconds(stamp: str) -> float:

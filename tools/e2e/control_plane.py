@@ -35,6 +35,8 @@ from pathlib import Path
 import attrs
 import trio
 
+from bench.scale import audit
+
 from .node import NODE_IP, NODE_NAME, Daemon
 from .poll import Unavailable, wait_for
 
@@ -49,18 +51,10 @@ CONTROLLER_MANAGER_PORT = 10257
 SCHEDULER_PORT = 10259
 DAYS = "1"
 
-# What the DRA driver asks of the API server, as the scale benchmark's audit log records it
-# (bench/scale): check 11 reads each node's start from it.
+# What the DRA driver asks of the API server, recorded as the scale benchmark records its
+# drivers' (bench/scale/audit.py): check 11 reads each node's start from it.
 DRIVER_ACCOUNT = "system:serviceaccount:kube-system:pcc-device-plugin"
-AUDIT_POLICY = f"""\
-apiVersion: audit.k8s.io/v1
-kind: Policy
-omitStages: [RequestReceived]
-rules:
-  - level: Metadata
-    users: ["{DRIVER_ACCOUNT}"]
-  - level: None
-"""
+AUDIT_POLICY = audit.policy(users=[DRIVER_ACCOUNT])
 
 ADMISSION = """\
 apiVersion: apiserver.config.k8s.io/v1
