@@ -183,6 +183,7 @@ async def test_register_failures_are_retried_and_each_reason_logged_once(
         daemon = start_daemon(*fake_node.daemon_args(verbosity=0))
         await serving(kubelet)
         assert kubelet.register_calls == 5
+        await log_line(daemon, "Registration with kubelet failed", count=2)
         failures = [
             line
             for line in daemon.log_text().splitlines()

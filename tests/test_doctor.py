@@ -185,6 +185,8 @@ async def make_kubelet_sock_a_file(node: Node) -> None:
     await run_blocking(node.kubelet.stop)
     await run_blocking(node.daemon.wait_for_log, "Waiting for kubelet", 10.0)
     (node.fake.plugin_dir / "kubelet.sock").write_text("")
+    # What /readyz says once the daemon has looked at it (the doctor asks it).
+    await run_blocking(node.daemon.wait_for_log, "is not a socket", 10.0)
 
 
 async def leave_a_dead_kubelet_sock(node: Node) -> None:

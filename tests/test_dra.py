@@ -8,9 +8,11 @@ containerd reading the CDI specs, the admission policy) is `nox -s cluster`'s ch
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -35,7 +37,7 @@ from raw_clients import closed_by_server, connect
 from pcc_plugin import configuration, flags
 from pcc_plugin.dra import claims, kube, slices, taints
 from pcc_plugin.dra import service as dra_service
-from pcc_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from pcc_plugin.dra.checkpoint import Checkpoint, Claims, PreparedClaim, PreparedDevice
 from pcc_plugin.dra.sockets import earlier_sockets, socket_paths, state_dir
 from pcc_plugin.flags import PROG, Flags
 from pcc_plugin.inventory import Inventory
@@ -638,12 +640,13 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
         nursery.start_soon(
             slices.publish, api, slices.Pool(DRIVER, NODE, ""), ME, lambda other: False,
             lambda pool: slices.desired(pool, spec, devices), lambda: change, stats,
-            taints.Unhealthy(DRIVER),
+            taints.Unhealthy(DRIVER), random.Random(47),
         )  # fmt: skip
         await trio.sleep(600)
         assert "connection refused" in str(stats.not_ready_reason())
         # Doubling from RETRY_FIRST to RETRY_CAP, each a random part of its ceiling: a few
-        # quick tries, then one per half the cap on average.
+        # quick tries, then one per half the cap on average (the waits seeded: a run of short
+        # ones may come, rarely, and the bound would then be luck's).
         assert 600 / kube.API_RETRY_CAP <= api.attempts <= 1.5 * 600 / (kube.API_RETRY_CAP / 2)
         # Once a minute: at the first retry a minute or more after the last report.
         errors = [r for r in caplog.records if r.levelname == "ERROR"]
@@ -684,6 +687,48 @@ async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call
         assert isinstance(answer, str)
         assert answer.startswith(f"cannot record prepared claims in {not_a_directory}: ")
     assert state.prepares["failed"] == state.unprepares["failed"] == 1
+
+
+class FullDisk(Checkpoint):
+    """Read as ever; written, the disk is full."""
+
+    def write(self, claims: Claims) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+async def test_a_claim_is_said_prepared_only_once_it_is_recorded(
+    tmp_path: Path, host: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log says what kubelet heard: a claim whose record could not be written was not
+    prepared, and one whose record could not be dropped was not unprepared."""
+    spec = pcc_resource("tke.cloud.tencent.com/pcc-device", 4, "/dev/sev-guest", "/var/run/pcc")
+    state = ResourceState(spec.name, needs_stream=False)
+    inventory = Inventory(spec, str(host), state)
+
+    async def get_claim(namespace: str, name: str) -> dict[str, Any]:
+        result = {"request": "pcc", "driver": DRIVER, "pool": NODE, "device": "pcc-3"}
+        allocation = {"devices": {"results": [result]}}
+        return {"metadata": {"uid": "uid-1"}, "status": {"allocation": allocation}}
+
+    claim = claims.ClaimRef("default", "app", "uid-1")
+    caplog.set_level(logging.DEBUG)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+
+    def preparer(checkpoint: Checkpoint) -> claims.Preparer:
+        return claims.Preparer(DRIVER, NODE, inventory, state, checkpoint, tmp_path / "cdi",
+                               "owner", get_claim)  # fmt: skip
+
+    with trio.fail_after(10):
+        unrecorded = await preparer(FullDisk(state_dir, DRIVER)).prepare([claim])
+        prepared = await preparer(Checkpoint(state_dir, DRIVER)).prepare([claim])
+        kept = await preparer(FullDisk(state_dir, DRIVER)).unprepare([claim])
+    for answer in unrecorded["uid-1"], kept["uid-1"]:
+        assert isinstance(answer, str)
+        assert answer.startswith(f"cannot record prepared claims in {state_dir}: ")
+    assert isinstance(prepared["uid-1"], PreparedClaim)
+    said = [r.getMessage() for r in caplog.records if "Resources " in r.getMessage()]
+    assert said == ["NodePrepareResources default/app (uid-1): pcc-3"]
 
 
 # As the driver has written it since the DRA mode came (json.dump, indent 1, sorted keys).

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import statistics
 from collections.abc import Callable
@@ -124,7 +123,7 @@ SPEC = pcc_resource("tke.cloud.tencent.com/pcc-device", 2, "/dev/sev-guest", "/v
 DEVICES = tuple(Device(f"pcc-{i}", "pcc", SPEC.device_nodes, None) for i in range(2))
 
 
-def publishing(nursery: trio.Nursery, api: Any, rng: random.Random | None = None) -> None:
+def publishing(nursery: trio.Nursery, api: Any) -> None:
     state = ResourceState("x", needs_stream=False, registered=True)
     me = slices.Instance("2026-01-01T00:00:00.000000Z", "me")
     nursery.start_soon(

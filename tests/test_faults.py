@@ -213,6 +213,7 @@ async def test_register_failing_after_a_kubelet_restart_is_retried(
         kubelet.fail_next_registers(["not ready yet", "not ready yet", "still busy"] * 2)
         await run_blocking(kubelet.restart)
         await serving(kubelet, registrations=2)
+        await log_line(daemon, "Registration with kubelet failed, retrying", count=2)
     failed = [registration for registration in kubelet.registrations if not registration.accepted]
     assert [registration.error for registration in failed] == [
         "not ready yet",
@@ -241,6 +242,8 @@ async def test_kubelet_drops_the_stream_again_and_again(
         # One Register per drop: no flapping.
         assert any_kubelet.register_calls == 4
         assert value(await scrape(port), "pcc_device_plugin_backoff_seconds_total") == 0
+        # Logged as it registers again: the line may come after kubelet saw the Register.
+        await log_line(daemon, "kubelet's ListAndWatch stream ended", count=3)
     assert len(set(endpoints)) == 4
     assert own_sockets(fake_node) == {endpoints[-1]}
     assert len(lines_with(daemon, "kubelet's ListAndWatch stream ended")) == 3

@@ -92,11 +92,12 @@ class Preparer:
         known = self.checkpoint.peek()
         read = await self._read([claim for claim in claims if claim.uid not in known])
         answers: dict[str, PreparedClaim | str] = {}
+        new: list[tuple[ClaimRef, PreparedClaim]] = []
         try:
             async with self.checkpoint.locked(deadline - trio.current_time()) as prepared:
                 for claim in claims:
                     try:
-                        answers[claim.uid] = self._prepare(claim, prepared, read)
+                        answers[claim.uid] = self._prepare(claim, prepared, read, new)
                     except ClaimError as exc:
                         self.state.prepare_failed(exc.reason)
                         log.warning("NodePrepareResources %s: %s", claim, exc)
@@ -105,6 +106,10 @@ class Preparer:
         except (OSError, LockBusy) as exc:
             self.state.prepare_failed(_stage(exc), len(claims))
             return dict.fromkeys((claim.uid for claim in claims), self._unrecorded(exc))
+        # Said once recorded: a claim the checkpoint could not keep was never prepared.
+        for claim, done in new:
+            names = ", ".join(device.device for device in done.devices)
+            log.info("NodePrepareResources %s: %s", claim, names or "no device of this driver")
         return answers
 
     async def unprepare(self, claims: list[ClaimRef]) -> dict[str, str | None]:
@@ -112,6 +117,7 @@ class Preparer:
         its CDI spec removed (this driver's, whichever instance name wrote it, if the claim
         is in its checkpoint; else only if this instance wrote it), then its record."""
         answers: dict[str, str | None] = {}
+        done: list[tuple[ClaimRef, str]] = []
         try:
             async with self.checkpoint.locked(self.limits.answer_within) as prepared:
                 for claim in claims:
@@ -129,12 +135,14 @@ class Preparer:
                     known = prepared.pop(claim.uid, None) is not None
                     self.state.unprepared("ok")
                     what = "unprepared" if known else "not prepared here, nothing to do"
-                    log.log(V1, "NodeUnprepareResources %s: %s", claim, what)
+                    done.append((claim, what))
                     answers[claim.uid] = None
                 self._count(prepared)
         except (OSError, LockBusy) as exc:
             self.state.unprepare_failed(_stage(exc), len(claims))
             return dict.fromkeys((claim.uid for claim in claims), self._unrecorded(exc))
+        for claim, what in done:
+            log.log(V1, "NodeUnprepareResources %s: %s", claim, what)
         return answers
 
     async def restore_specs(self) -> None:
@@ -198,8 +206,13 @@ class Preparer:
         outage.over()
 
     def _prepare(
-        self, claim: ClaimRef, prepared: Claims, read: dict[str, dict[str, Any] | ClaimError]
+        self,
+        claim: ClaimRef,
+        prepared: Claims,
+        read: dict[str, dict[str, Any] | ClaimError],
+        new: list[tuple[ClaimRef, PreparedClaim]],
     ) -> PreparedClaim:
+        """The claim as prepared before, or prepared now (added to `prepared` and `new`)."""
         if claim.uid in prepared:
             again = prepared[claim.uid]
             if self._spec_lost(claim.uid, again):
@@ -213,14 +226,13 @@ class Preparer:
             raise ClaimError("it was unprepared while this call prepared it; kubelet tries again")
         if isinstance(found, ClaimError):
             raise found
-        new = PreparedClaim(claim.namespace, claim.name, self._allocated(claim, found))
-        if new.devices:
-            self._write_spec(claim.uid, new)
-        prepared[claim.uid] = new
-        names = ", ".join(device.device for device in new.devices) or "no device of this driver"
-        log.info("NodePrepareResources %s: %s", claim, names)
+        now = PreparedClaim(claim.namespace, claim.name, self._allocated(claim, found))
+        if now.devices:
+            self._write_spec(claim.uid, now)
+        prepared[claim.uid] = now
+        new.append((claim, now))
         self.state.prepared("ok")
-        return new
+        return now
 
     async def _read(self, claims: list[ClaimRef]) -> dict[str, dict[str, Any] | ClaimError]:
         """Each claim as the API server has it, read at once, or why it could not be read."""

@@ -27,6 +27,7 @@ import datetime
 import json
 import logging
 import os
+import random
 import socket
 import ssl
 import subprocess
@@ -698,8 +699,9 @@ def status_code(error: BaseException) -> int | None:
     return error.code if isinstance(error, RequestFailed) else None
 
 
-def retrying(log: logging.Logger) -> tuple[Backoff, Outage]:
-    """The waits of a loop that asks the API server until it answers, and its error lines."""
+def retrying(log: logging.Logger, rng: random.Random | None = None) -> tuple[Backoff, Outage]:
+    """The waits of a loop that asks the API server until it answers (jittered by `rng`), and
+    its error lines."""
     outage = Outage(
         log,
         quiet="{problem}; retrying",
@@ -707,7 +709,10 @@ def retrying(log: logging.Logger) -> tuple[Backoff, Outage]:
         back="The API server answers again after {seconds:.0f} s",
         repeat=REPORT_EVERY,
     )
-    return Backoff(first=API_RETRY_FIRST, cap=API_RETRY_CAP, least=0.0), outage
+    backoff = Backoff(
+        first=API_RETRY_FIRST, cap=API_RETRY_CAP, least=0.0, rng=rng or random.Random()
+    )
+    return backoff, outage
 
 
 def why_failed(error: RequestFailed) -> str:

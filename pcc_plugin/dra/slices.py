@@ -506,11 +506,13 @@ async def publish(
     changed: Callable[[], trio.Event],
     state: ResourceState,
     unhealthy: Unhealthy,
+    rng: random.Random | None = None,
 ) -> None:
     """Keep the node's slices as `wanted` says, again whenever `changed()` fires; for ever.
-    Every failure is the API server's: said, and retried after a jittered wait."""
-    backoff, outage = retrying(log)
-    publisher = Publisher(api, pool, wanted, me, alive, unhealthy, heard=backoff.reset)
+    Every failure is the API server's: said, and retried after a wait jittered by `rng`."""
+    rng = rng or random.Random()
+    backoff, outage = retrying(log, rng)
+    publisher = Publisher(api, pool, wanted, me, alive, unhealthy, heard=backoff.reset, rng=rng)
     state.slices_not_published("ResourceSlices not published yet")
     relist = True
     # Whether the last round ended in a routine answer too: then the next waits.
