@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import statistics
 from collections.abc import Callable
@@ -123,13 +124,13 @@ SPEC = pcc_resource("tke.cloud.tencent.com/pcc-device", 2, "/dev/sev-guest", "/v
 DEVICES = tuple(Device(f"pcc-{i}", "pcc", SPEC.device_nodes, None) for i in range(2))
 
 
-def publishing(nursery: trio.Nursery, api: Any) -> None:
+def publishing(nursery: trio.Nursery, api: Any, rng: random.Random) -> None:
     state = ResourceState("x", needs_stream=False, registered=True)
     me = slices.Instance("2026-01-01T00:00:00.000000Z", "me")
     nursery.start_soon(
         slices.publish, api, slices.Pool(DRIVER, NODE, ""), me, lambda other: False,
         lambda pool: slices.desired(pool, SPEC, DEVICES), trio.Event, state,
-        taints.Unhealthy(DRIVER),
+        taints.Unhealthy(DRIVER), rng,
     )  # fmt: skip
 
 
@@ -141,8 +142,9 @@ async def test_watches_are_renewed_at_random_so_that_nodes_never_go_in_step(
     none lists again."""
     nodes = [RenewalApi(), RenewalApi()]
     async with trio.open_nursery() as nursery:
-        for api in nodes:
-            publishing(nursery, api)
+        # Seeded: how far apart draws of 5 to 10 minutes spread is chance's.
+        for seed, api in enumerate(nodes):
+            publishing(nursery, api, random.Random(seed))
         await trio.sleep(3 * 3600)
         nursery.cancel_scope.cancel()
     for api in nodes:
@@ -168,18 +170,25 @@ async def test_a_watch_the_api_server_does_not_end_is_taken_for_dead(
     it was asked to end: WATCH_GRACE after that, the watch has failed. (Silence alone says
     nothing: kube-apiserver sends no bookmark while its cache has not moved past the watch's
     resource version.) On trio's clock, against the fake API server."""
-    mock_clock.autojump_threshold = 0.05
+    # Real time until the watch is open (the fake server answers from a thread: a clock
+    # that jumped while it did would time the request out), then only trio's.
+    mock_clock.rate = 1.0
+    opened: list[float] = []
+
+    def watch_opened() -> None:
+        mock_clock.rate = 0.0
+        mock_clock.autojump_threshold = 0.0
+        opened.append(trio.current_time())
+
     with FakeApiServer() as server:
         server.add_node(NODE)
         server.mute_watches = True
         api = kube.open_client(str(server.write_kubeconfig(tmp_path / "kubeconfig")))
-        opened: list[float] = []
         try:
             with trio.fail_after(2000), pytest.raises(kube.RequestFailed) as failed:
                 await api.watch_slices(
-                    {"spec.nodeName": NODE}, "1", 600, lambda kind, obj: None,
-                    lambda: opened.append(trio.current_time()),
-                )  # fmt: skip
+                    {"spec.nodeName": NODE}, "1", 600, lambda kind, obj: None, watch_opened
+                )
         finally:
             server.mute_watches = False
             await api.close()
@@ -237,7 +246,7 @@ async def test_a_failing_credential_plugin_is_an_outage_of_the_api_side_only(
     once the plugin works again."""
     dra = dra_node
     args, plugin = with_plugin(dra)
-    with trio.fail_after(60):
+    with trio.fail_after(60 + kube.API_RETRY_CAP):
         daemon = start_daemon(*args)
         await registered(dra)
         await published(dra, SHARES, generation=1)
@@ -265,7 +274,8 @@ async def test_a_failing_credential_plugin_is_an_outage_of_the_api_side_only(
         assert dra.kubelet.health_streams[instance.endpoint] == ["open"]
         set_mode(plugin, {})
         dra.api.token = "sim-token"
-        await published(dra, SHARES)
+        # The publisher may be in a retry's wait: as long as API_RETRY_CAP.
+        await published(dra, SHARES, within=kube.API_RETRY_CAP + WAIT)
         answer = await run_blocking(dra.kubelet.prepare, DRIVER, three)
         assert answer.claims["uid-three"].error == ""
         assert "Traceback" not in daemon.log_text()
@@ -277,13 +287,14 @@ async def test_tokens_are_taken_again_before_they_expire(
     """The plugin's expirationTimestamp is honoured: a request after it carries a new token,
     not the old one to be refused (and counted against the node by the API server)."""
     dra = dra_node
-    args, plugin = with_plugin(dra, {"lifetime": 2})
+    # 2 to 3 s (the timestamp has whole seconds): taken again a second or more before.
+    args, plugin = with_plugin(dra, {"lifetime": 3})
     with trio.fail_after(30):
         daemon = start_daemon(*args)
         await published(dra, SHARES, generation=1)
         runs = len(plugin_runs(plugin))
         # The token's lifetime passes (the time itself, not a wait for the daemon).
-        await trio.sleep(2.5)
+        await trio.sleep(3.5)
         dra.node.pcc_dir.rmdir()
         await published(dra, SHARES, generation=2)
         assert len(plugin_runs(plugin)) > runs

@@ -407,7 +407,8 @@ async def test_unprepare_answers_at_once_while_a_claims_read_stalls(
             nursery.start_soon(prepare_slow)
             await run_blocking(dra.api.wait_for, lambda: bool(dra.api.held), WAIT)
             done = [("default", "done", "uid-done")]
-            gone = await run_blocking(dra.kubelet.unprepare, DRIVER, done, 1.0)
+            # Well within the stalled read's deadline: not held up behind it.
+            gone = await run_blocking(dra.kubelet.unprepare, DRIVER, done, WAIT)
             assert gone.claims["uid-done"].error == ""
             assert not cdi_spec(dra, "uid-done").exists()
             dra.api.release()
@@ -539,14 +540,17 @@ async def test_the_checkpoints_fsyncs_leave_the_event_loop_free(
     """A saturated disk makes each fsync of the checkpoint wait: the call that writes it waits,
     not kubelet's other calls, the health streams and the probes (the event loop)."""
     released = threading.Event()
+    # A second from the first fsync on: the write is held at least that long.
+    timer = threading.Timer(1.0, released.set)
     fsync = os.fsync
 
     def slow_fsync(descriptor: int) -> None:
+        if timer.ident is None:
+            timer.start()
         released.wait(10)
         fsync(descriptor)
 
     monkeypatch.setattr(os, "fsync", slow_fsync)
-    timer = threading.Timer(1.0, released.set)
     checkpoint = Checkpoint(tmp_path, DRIVER)
     ticks: list[float] = []
 
@@ -558,13 +562,16 @@ async def test_the_checkpoints_fsyncs_leave_the_event_loop_free(
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(tick)
-            timer.start()
+            started = trio.current_time()
             async with checkpoint.locked() as prepared:
                 prepared["uid-1"] = PreparedClaim("default", "app", ())
+            ended = trio.current_time()
             nursery.cancel_scope.cancel()
     timer.cancel()
-    assert ticks[-1] - ticks[0] >= 0.9
-    assert max(later - earlier for earlier, later in itertools.pairwise(ticks)) < 0.5
+    assert ended - started >= 1.0
+    # The loop ran all along the write: never half a second without a tick.
+    during = [started, *(t for t in ticks if started < t < ended), ended]
+    assert max(later - earlier for earlier, later in itertools.pairwise(during)) < 0.5
     assert Checkpoint(tmp_path, DRIVER).peek() == {"uid-1": PreparedClaim("default", "app", ())}
 
 

@@ -75,7 +75,8 @@ async def serving(
 
 
 def watch_in_thread(path: Path, outcome: queue.Queue[object]) -> grpc.Channel:
-    channel = grpc.insecure_channel(f"unix://{path}")
+    # A connection of its own: grpcio would share one among channels to the same socket.
+    channel = grpc.insecure_channel(f"unix://{path}", [("grpc.use_local_subchannel_pool", 1)])
     list_and_watch = channel.unary_stream(
         LIST_AND_WATCH,
         request_serializer=pb.Empty.SerializeToString,
@@ -195,8 +196,10 @@ async def test_an_idle_client_keeps_its_connection_from_the_preface_on(
 async def test_at_the_connection_limit_the_oldest_silent_one_makes_room(
     socket_path: Path,
 ) -> None:
+    # Silence is never what closes one here: only the cap does.
+    limits = Limits(connections=3, first_request_timeout=60.0)
     with trio.fail_after(10):
-        async with serving(socket_path, limits=Limits(connections=3)):
+        async with serving(socket_path, limits=limits) as server:
             # Accepted in the order they connect, before the client below.
             silent = [connect(socket_path) for _ in range(3)]
             # A real client still gets through: the oldest silent connection is closed.
@@ -212,6 +215,7 @@ async def test_at_the_connection_limit_the_oldest_silent_one_makes_room(
                 assert await trio.to_thread.run_sync(outcome.get) == 16
             with connect(socket_path) as refused:
                 assert await run_blocking(closed_by_server, refused)
+            assert [connection.requests for connection in server.cap.open] == [1, 1, 1]
             for sock in silent:
                 sock.close()
             for each in busy:
