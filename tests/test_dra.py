@@ -660,6 +660,27 @@ async def test_publishing_retries_with_capped_backoff_and_says_so_once_a_minute(
         nursery.cancel_scope.cancel()
 
 
+async def test_devices_are_offered_only_once_kubelet_can_be_served(
+    dra_node: DraNode, start_daemon: StartDaemon
+) -> None:
+    """A driver that cannot serve its DRA socket publishes no slices (a device offered there
+    would take pods kubelet can never prepare), and publishes them once it serves."""
+    dra = dra_node
+    dra.plugins.mkdir(parents=True, exist_ok=True)
+    dra.state.write_text("")  # where the driver's own directory goes
+    with trio.fail_after(40):
+        daemon = start_daemon(*dra.daemon_args())
+        await log_line(daemon, f"cannot serve in {dra.plugins}: [Errno 17] File exists")
+        # Tried again and again, the waits growing (some 0.9 s in all): the slices would have
+        # been listed long before.
+        await log_line(daemon, "Restarting the DRA driver's sockets: cannot serve", count=8)
+        assert [r for r in dra.api.requests if "resourceslices" in r] == []
+        dra.state.unlink()
+        await registered(dra)
+        await published(dra, SHARES, generation=1, within=30)
+        assert "Traceback" not in daemon.log_text()
+
+
 async def test_a_checkpoint_that_cannot_be_written_fails_the_claims_not_the_call(
     tmp_path: Path, host: Path
 ) -> None:

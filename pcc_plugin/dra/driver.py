@@ -8,9 +8,12 @@ deletes the node's slices, which `slices.publish` writes again. Each change of t
 goes to kubelet's health stream (health.py), to how unhealthy devices show in the slices
 (taints.py) and to the node's attributes (node_facts.py), then to the slices.
 
-The API server is the slices' and the claims' only: whatever its client fails with, the
-sockets, unprepare and the health streams go on. A bug in the publishing loop restarts that
-loop alone (`keep_publishing`).
+The slices are published once the DRA socket is first served, as the Go drivers publish once
+their servers run: a device offered by a driver that cannot serve kubelet would take pods that
+can never start, and an older instance that sees the slices of this one finds it serving (it
+leaves them alone while it does). The API server is the slices' and the claims' only:
+whatever its client fails with, the sockets, unprepare and the health streams go on. A bug in
+the publishing loop restarts that loop alone (`keep_publishing`).
 """
 
 from __future__ import annotations
@@ -105,12 +108,13 @@ class DraMode:
                 "the host's /sys there, read-only (manifests/overlays/dra does)",
                 sysfs,
             )
+        served = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(watch_health, inventory)
-                nursery.start_soon(self.keep_publishing, api)
+                nursery.start_soon(self.keep_publishing, api, served)
                 nursery.start_soon(preparer.forget_deleted_claims)
-                yield functools.partial(self.serve_generation, preparer)
+                yield functools.partial(self.serve_generation, preparer, served)
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(DRA_SOCKET.teardown_grace):
@@ -125,9 +129,11 @@ class DraMode:
         devices = self.inventory.devices
         return slices.desired(pool, self.inventory.spec, devices, self.unhealthy, self.node)
 
-    async def keep_publishing(self, api: kube.Api) -> None:
-        """Keep the slices published (slices.publish); after a bug there, log it and start
-        that loop again, alone: kubelet's calls do not depend on it."""
+    async def keep_publishing(self, api: kube.Api, served: trio.Event) -> None:
+        """Keep the slices published (slices.publish) from when the DRA socket is `served`;
+        after a bug there, log it and start that loop again, alone: kubelet's calls do not
+        depend on it."""
+        await served.wait()
         config = self.config
         pool = slices.Pool(config.driver_name, config.node_name, "")
         me = slices.Instance.starting(instance_token(config))
@@ -146,9 +152,11 @@ class DraMode:
                           delay, exc_info=exc)  # fmt: skip
                 await trio.sleep(delay)
 
-    async def serve_generation(self, preparer: Preparer, generation: Generation) -> None:
-        """Serve the DRA socket, then the registration socket, and watch both (each is removed
-        again as it closes)."""
+    async def serve_generation(
+        self, preparer: Preparer, served: trio.Event, generation: Generation
+    ) -> None:
+        """Serve the DRA socket, then the registration socket (`served` set once both are),
+        and watch both (each is removed again as it closes)."""
         config = self.config
         state_dir(config).mkdir(parents=True, exist_ok=True)
         remove_stale_sockets(earlier_sockets(config))
@@ -169,6 +177,7 @@ class DraMode:
         ]
         log.info("Serving DRA driver %s on %s, registration on %s",
                  config.driver_name, dra_path, registration_path)  # fmt: skip
+        served.set()
         await generation.nursery.start(
             watch_sockets, generation.inotify, sockets, generation.restart
         )
