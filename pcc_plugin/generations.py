@@ -217,14 +217,15 @@ def _cannot_serve(
     # problem is said once.
     where = Path(error.filename).parent if error.filename else mode.directory
     problem = f"cannot serve in {where}: [Errno {error.errno}] {error.strerror}"
-    generation.fault = True
     generation.restart(problem)
     if vanished and not vanished_before:
         # Kubelet deletes every file in its directory when it starts, ours while we bind
-        # and rename it too now and then: routine, unless it happens again at once.
+        # and rename it too now and then: routine, not a fault to wait after, unless it
+        # happens again at once.
         log.log(V1, "%s (a kubelet restart's wipe of the directory, as it was served); "
                 "serving again", problem)  # fmt: skip
         return True
+    generation.fault = True
     if mode.state.cannot_serve(problem):
         log.error("%s; retrying; fix: %s", problem, _fix(error, mode))
     return vanished

@@ -2,7 +2,7 @@
 
 Faults tests/test_daemon.py already covers, not repeated here: Register failing with UNKNOWN and
 then accepted on the first start (test_register_failures_are_retried_and_each_reason_logged_once;
-the capped, jittered backoff itself in tests/test_supervisor_units.py), a current kubelet dropping
+the capped, jittered backoff itself in tests/test_generations.py), a current kubelet dropping
 the stream once, the daemon's own socket deleted under a current kubelet, the device-plugin
 directory removed while kubelet is stopped, 100 restarts against current and resource-keyed
 kubelets, and SIGTERM or SIGINT while idle. This module adds what those leave out.

@@ -174,3 +174,38 @@ async def test_a_file_vanishing_under_a_generation_is_an_error_only_if_it_happen
             f"{problem}; retrying; fix: check the directory on the node; not on a node, "
             "give --fake-path a directory you can write"
         ]
+
+
+@attrs.define
+class WipedAgainAndAgain(FakeMode):
+    """Kubelet restarting every second, its wipe catching the socket being renamed into place
+    every other time: one generation in two fails with `fault`, the others are restarted a
+    second after they served."""
+
+    async def serve_generation(self, generation: Generation) -> None:
+        self.generations.append((trio.current_time(), generation.cause))
+        if len(self.generations) % 2:
+            raise self.fault
+
+        async def kubelet_restarts() -> None:
+            await trio.sleep(1)
+            generation.restart("kubelet restarted")
+
+        generation.nursery.start_soon(kubelet_restarts)
+
+
+async def test_a_file_vanishing_now_and_then_is_never_waited_for(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each wipe that catches the socket is kubelet's restart, not a fault of the plugin's:
+    served again at once each time, however many come within STABLE_AFTER."""
+    staged = tmp_path / ".0123abcd.new.sock"
+    vanished = FileNotFoundError(2, "No such file or directory", str(staged), "pcc-1.sock")
+    mode = WipedAgainAndAgain(ResourceState("x"), tmp_path, fault=vanished)
+    with trio.move_on_after(STABLE_AFTER):
+        await serve_generations(mode, mode.serve_generation, Backoff())
+    starts = [at for at, _ in mode.generations]
+    assert len(starts) > 10
+    assert all(later - earlier in (0, 1) for earlier, later in itertools.pairwise(starts))
+    assert mode.state.backoff_seconds == 0
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
