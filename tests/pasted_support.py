@@ -96,6 +96,12 @@ async def run_pasted(
                 await cleanup(Path(scratch))
             # The shell too, if it outlived the wait; then its output is read to the end.
             left_running = await kill_marked(mark)
+            # A process in the middle of an exec shows no environment for a moment: looked
+            # for again while something still holds the shell's output.
+            for _ in range(20):
+                if await run_blocking(run.output_ended, 0.25):
+                    break
+                left_running |= await kill_marked(mark)
             run.close()
         left = sorted(Path(scratch).rglob("*"))
         logs = "\n".join(f"{path}:\n{path.read_text()}" for path in left if path.suffix == ".log")

@@ -137,6 +137,12 @@ class Daemon:
         self._reader.join(timeout)
         return returncode
 
+    def output_ended(self, timeout: float) -> bool:
+        """Whether every process that held the daemon's output has let it go (read to its
+        end), waiting up to `timeout` seconds for it."""
+        self._reader.join(timeout)
+        return not self._reader.is_alive()
+
     def open_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
