@@ -153,8 +153,7 @@ class Daemon:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        self._reader.join(timeout=5)
-        if self._reader.is_alive():
+        if not self.output_ended(5):
             raise RuntimeError(f"something in process group {self.proc.pid} still holds its output")
         self._log_file.close()
 
